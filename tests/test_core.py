@@ -1,0 +1,238 @@
+"""The algorithm's pure functions against hand-computed values and independent formulas."""
+import math
+
+import pytest
+import torch
+
+from stapo import group_advantages, s2t_mask, stapo_loss, token_logprobs_and_entropy
+
+
+# ---------------------------------------------------------------- group_advantages
+
+def test_group_advantages_by_hand():
+    # group 1: mean -0.5, unbiased std sqrt((1.5^2 + 3 * 0.5^2) / 3) = 1
+    a = group_advantages(torch.tensor([1.0, -1, -1, -1, 1, 1, -1, -1]), 4)
+    expect = torch.tensor([1.5, -0.5, -0.5, -0.5]) / (1 + 1e-6)
+    # group 2: mean 0, unbiased std sqrt(4/3)
+    s = math.sqrt(4 / 3)
+    expect2 = torch.tensor([1, 1, -1, -1]) / (s + 1e-6)
+    assert torch.allclose(a, torch.cat([expect, expect2]), atol=1e-7)
+
+
+def test_group_advantages_equal_rewards_give_exact_zero():
+    a = group_advantages(torch.tensor([1.0] * 4 + [-1.0] * 4 + [0.1] * 4 + [1e-3] * 4), 4)
+    assert torch.equal(a, torch.zeros(16))
+
+
+def test_group_advantages_eps_and_errors():
+    a = group_advantages(torch.tensor([1.0, 0.0]), 2, eps=1.0)  # std = sqrt(0.5)
+    assert torch.allclose(a, torch.tensor([0.5, -0.5]) / (math.sqrt(0.5) + 1.0))
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(torch.tensor([1.0, 0.0]), 1)
+    with pytest.raises(ValueError, match="multiple"):
+        group_advantages(torch.tensor([1.0, 0.0, 1.0]), 2)
+
+
+# ---------------------------------------------------------------- s2t_mask
+
+def _s2t_inputs():
+    p = torch.tensor([[0.001, 0.001, 0.5, 0.001, 0.001, 0.0021],
+                      [0.001, 0.001, 0.001, 0.001, 0.001, 0.001]])
+    ent = torch.tensor([[0.1, 0.5, 0.2, 0.9, 0.3, 0.05],
+                        [0.1, 0.1, 0.1, 0.1, 0.1, 0.1]])
+    return p.log(), ent
+
+
+def test_s2t_mask_by_hand():
+    logp, ent = _s2t_inputs()
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    m = s2t_mask(logp, ent, torch.tensor([1.0, -1.0]), valid)
+    # row 0 candidates (p < 0.002): cols 0, 1, 3, 4 with H = .1 .5 .9 .3
+    # 0.75-quantile of [.1 .3 .5 .9], linear: .5 + .25 * (.9 - .5) = .6  ->  silenced H < .6: cols 0, 1, 4
+    # row 1 has A < 0: never a candidate
+    assert m.tolist() == [[True, True, False, False, True, False], [False] * 6]
+
+
+def test_s2t_mask_respects_valid_and_token_advantages():
+    logp, ent = _s2t_inputs()
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    valid[0, 1] = False  # padding is never a candidate: candidates .1 .9 .3 -> q = .3 + .5 * .6 = .6
+    adv = torch.ones(2, 6)
+    adv[1, :3] = 0.0  # A = 0 is not > 0
+    m = s2t_mask(logp, ent, adv, valid)
+    # candidates: row0 cols 0 3 4 (H .1 .9 .3), row1 cols 3 4 5 (H .1): pooled [.1 .1 .1 .1 .3 .9]
+    # 0.75-quantile: pos 3.75 -> .1 + .75 * (.3 - .1) = .25
+    assert m.tolist() == [[True, False, False, False, False, False],
+                          [False, False, False, True, True, True]]
+
+
+def test_s2t_mask_empty_candidates_and_tau_h_override():
+    logp, ent = _s2t_inputs()
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    assert not s2t_mask(logp, ent, torch.tensor([-1.0, 0.0]), valid).any()
+    assert not s2t_mask(torch.zeros(2, 6), ent, torch.ones(2), valid).any()  # p = 1
+    m = s2t_mask(logp, ent, torch.tensor([1.0, -1.0]), valid, tau_h=0.35)
+    assert m.tolist() == [[True, False, False, False, True, False], [False] * 6]
+    m = s2t_mask(logp, ent, torch.tensor([1.0, -1.0]), valid, tau_p=0.6, q=0.0)
+    assert not m.any()  # q = 0: tau_h is the minimum candidate entropy, and H < min never holds
+
+
+# ---------------------------------------------------------------- stapo_loss
+
+def _by_hand(ratio, a, eps_low=0.2, eps_high=0.28, c=10.0):
+    """The per-token objective with scalar math, written out case by case."""
+    l = max(-ratio * a, -min(max(ratio, 1 - eps_low), 1 + eps_high) * a)
+    return min(l, -c * a) if (a < 0 and c is not None) else l
+
+
+CASES = [  # (ratio, A, per-token loss by hand, d loss / d logp by hand)
+    (0.5, 1.0, -0.5, -0.5),      # A > 0, inside: -r A, gradient -r A
+    (1.5, 1.0, -1.28, 0.0),      # A > 0, above 1 + eps_high: clipped, no gradient
+    (0.5, -1.0, 0.8, 0.0),       # A < 0, below 1 - eps_low: clipped, no gradient
+    (1.5, -1.0, 1.5, 1.5),       # A < 0, above: unclipped -r A (max picks it)
+    (20.0, -1.0, 10.0, 0.0),     # A < 0, r > c: dual clip caps at -c A
+    (30.0, -0.5, 5.0, 0.0),
+    (0.9, 2.0, -1.8, -1.8),
+]
+
+
+@pytest.mark.parametrize("ratio,a,loss,grad", CASES)
+def test_stapo_loss_regions_by_hand(ratio, a, loss, grad):
+    assert _by_hand(ratio, a) == pytest.approx(loss)
+    logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    out, _ = stapo_loss(logp, torch.zeros(1, 1), torch.tensor([a]), torch.ones(1, 1, dtype=torch.bool))
+    out.backward()
+    assert out.item() == pytest.approx(loss, rel=1e-6)
+    assert logp.grad.item() == pytest.approx(grad, rel=1e-6, abs=1e-7)
+
+
+def test_stapo_loss_dual_clip_off():
+    logp = torch.tensor([[math.log(20.0)]])
+    out, _ = stapo_loss(logp, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1, dtype=torch.bool),
+                        clip_c=None)
+    assert out.item() == pytest.approx(20.0)
+
+
+def _batch(seed=0, n=6, t=9):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(n, t, generator=g) * 3
+    logp = (old + torch.randn(n, t, generator=g) * 0.4).requires_grad_()
+    adv = torch.randn(n, generator=g)
+    lengths = torch.randint(1, t + 1, (n,), generator=g)
+    valid = torch.arange(t)[None, :] < lengths[:, None]
+    return logp, old, adv, valid
+
+
+def test_stapo_loss_equals_dapo_token_mean_when_nothing_silenced():
+    logp, old, adv, valid = _batch()
+    loss, stats = stapo_loss(logp, old, adv, valid)
+    total, count = 0.0, 0
+    for i in range(valid.shape[0]):
+        for t in range(valid.shape[1]):
+            if valid[i, t]:
+                total += _by_hand(math.exp(logp[i, t].item() - old[i, t].item()), adv[i].item())
+                count += 1
+    assert loss.item() == pytest.approx(total / count, rel=1e-5)
+    assert stats["kept"] == count
+
+
+def test_stapo_loss_denominator_counts_only_kept_tokens():
+    logp, old, adv, valid = _batch(1)
+    silenced = torch.zeros_like(valid)
+    silenced[0, 0] = silenced[2, 0] = True
+    keep = valid & ~silenced
+    loss, stats = stapo_loss(logp, old, adv, keep)
+    per = [_by_hand(math.exp(logp[i, t].item() - old[i, t].item()), adv[i].item())
+           for i in range(6) for t in range(9) if keep[i, t]]
+    assert stats["kept"] == len(per) == int(valid.sum()) - 2
+    assert loss.item() == pytest.approx(sum(per) / len(per), rel=1e-5)
+    loss2, _ = stapo_loss(logp, old, adv, keep, num_tokens=1000)
+    assert loss2.item() == pytest.approx(sum(per) / 1000, rel=1e-5)
+
+
+def test_silenced_and_padded_tokens_get_exactly_zero_gradient():
+    logp, old, adv, valid = _batch(2)
+    with torch.no_grad():  # garbage in the padding: exp(200 - (-200)) would overflow to inf
+        logp[~valid] = 200.0
+        old[~valid] = -200.0
+    silenced = torch.zeros_like(valid)
+    silenced[valid.nonzero()[:3].T.unbind()] = True
+    loss, _ = stapo_loss(logp, old, adv.abs() + 0.1, valid & ~silenced)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert torch.equal(logp.grad[~valid | silenced], torch.zeros(int((~valid | silenced).sum())))
+    assert (logp.grad[valid & ~silenced] != 0).any()
+
+
+def test_all_silenced_gives_finite_zero_loss():
+    logp, old, adv, valid = _batch(3)
+    loss, stats = stapo_loss(logp, old, adv, torch.zeros_like(valid))
+    loss.backward()
+    assert loss.item() == 0.0 and stats["kept"] == 0
+    assert torch.equal(logp.grad, torch.zeros_like(logp))
+
+
+def test_all_correct_group_zero_advantage_finite_loss():
+    logp, old, _, valid = _batch(4)
+    adv = group_advantages(torch.ones(6), 6)
+    keep = valid & ~s2t_mask(logp.detach(), torch.rand(6, 9), adv, valid)
+    loss, _ = stapo_loss(logp, old, adv, keep)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros_like(logp))
+
+
+def test_stapo_loss_clip_fractions():
+    ratios = torch.tensor([[0.5, 1.5, 0.5, 1.5, 1.0]])
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0]])
+    _, stats = stapo_loss(ratios.log(), torch.zeros(1, 5), adv, torch.ones(1, 5, dtype=torch.bool))
+    assert stats == {"clip_low": 1 / 5, "clip_high": 1 / 5, "kept": 5}
+
+
+def test_float_keep_weights_give_sequence_mean():
+    logp, old, adv, valid = _batch(5)
+    w = valid / valid.sum(1, keepdim=True)  # GRPO: token mean per sequence, then mean over sequences
+    loss, _ = stapo_loss(logp, old, adv, w, num_tokens=valid.shape[0], eps_high=0.2, clip_c=None)
+    seq = []
+    for i in range(6):
+        per = [_by_hand(math.exp(logp[i, t].item() - old[i, t].item()), adv[i].item(), 0.2, 0.2, None)
+               for t in range(9) if valid[i, t]]
+        seq.append(sum(per) / len(per))
+    assert loss.item() == pytest.approx(sum(seq) / 6, rel=1e-5)
+
+
+# ---------------------------------------------------------------- token_logprobs_and_entropy
+
+@pytest.mark.parametrize("temperature,chunk", [(1.0, 8), (0.7, 5), (1.3, 1000)])
+def test_chunked_equals_naive_values_and_gradients(temperature, chunk):
+    g = torch.Generator().manual_seed(0)
+    m, d, v = 37, 16, 1000
+    h = torch.randn(m, d, generator=g).requires_grad_()
+    w = torch.randn(v, d, generator=g).requires_grad_()
+    tok = torch.randint(v, (m,), generator=g)
+    coef = torch.randn(m, generator=g)
+
+    full = torch.log_softmax(h @ w.T / temperature, -1)
+    logp_ref = full.gather(-1, tok[:, None]).squeeze(-1)
+    ent_ref = -(full.exp() * full).sum(-1)
+    gh_ref, gw_ref = torch.autograd.grad((logp_ref * coef).sum(), (h, w))
+
+    logp, ent = token_logprobs_and_entropy(h, w, tok, temperature, chunk_size=chunk)
+    gh, gw = torch.autograd.grad((logp * coef).sum(), (h, w))
+    assert not ent.requires_grad
+    for a, b in [(logp, logp_ref), (ent, ent_ref), (gh, gh_ref), (gw, gw_ref)]:
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+
+
+def test_chunked_without_grad_and_empty():
+    h, w = torch.randn(4, 8), torch.randn(50, 8)
+    with torch.no_grad():
+        logp, ent = token_logprobs_and_entropy(h, w, torch.tensor([1, 2, 3, 4]))
+    assert logp.shape == ent.shape == (4,) and (logp < 0).all() and (ent > 0).all()
+    logp, ent = token_logprobs_and_entropy(h[:0], w, torch.tensor([], dtype=torch.long))
+    assert logp.shape == (0,)
+
+
+def test_entropy_of_uniform_logits_is_log_v():
+    h, w = torch.zeros(3, 4), torch.randn(64, 4)
+    _, ent = token_logprobs_and_entropy(h, w, torch.tensor([0, 1, 2]))
+    assert torch.allclose(ent, torch.full((3,), math.log(64)))

@@ -1,0 +1,165 @@
+"""reward.py: equivalence (true and false), public grader cases, hostile input, timeouts, fuzz."""
+import os
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import reward
+from reward import extract_boxed, is_equivalent, score
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+EQUIVALENT = [
+    # normalisation
+    ("\\left(1,2\\right)", "(1,2)"), ("\\dfrac{3}{4}", "\\frac34"), ("\\tfrac{1}{2}", "0.5"),
+    ("3\\!\\,x", "3x"), ("5~\\text{cm}", "5"), ("\\text{5}", "5"), ("\\mathrm{5}", "5"), ("\\mbox{7}", "7"),
+    ("5\\text{ cm}", "5"), ("10 \\text{ degrees}", "10"), ("30^\\circ", "30"), ("30^{\\circ}", "30"),
+    ("50\\%", "50"), ("5.", "5"), ("7,425,000", "7425000"), ("1{,}000", "1000"), ("32,\\!348", "32348"),
+    ("\\$18.90", "18.90"), ("\\$32,\\!348", "32348"), ("$\\frac{1}{2}$", "\\(0.5\\)"), ("\\[7\\]", "7"),
+    # numbers
+    ("025", "25"), ("0.5", "\\frac{1}{2}"), ("1/2", "0.5"), ("-0.25", "-\\frac{1}{4}"),
+    ("4.5e33", "4.5\\times10^{33}"), ("4.5e33", "4.5 \\cdot 10^{33}"), ("4.5e33", "4.5 \\times 10^{33} \\mathrm{~erg}"),
+    ("2.7778e-6", "2.7778 \\times 10^{-6}"), ("1e-5", "10^{-5}"), ("3.14159", "3.1416"),  # rel diff 3e-6
+    # symbolic
+    ("\\sqrt{8}", "2\\sqrt{2}"), ("\\frac{\\pi}{2}", "\\pi/2"), ("x^2+2x+1", "(x+1)^2"), ("\\sqrt[3]{27}", "3"),
+    ("\\frac{\\sqrt{3}}{3}", "\\frac{1}{\\sqrt{3}}"), ("2\\pi", "\\pi \\cdot 2"), ("\\log_2 8", "3"),
+    ("1+2i", "2i+1"), ("\\binom{5}{2}", "10"), ("5!", "120"), ("|{-3}|", "3"), ("\\sin^2 x+\\cos^2 x", "1"),
+    # structures
+    ("(1, 2)", "\\left(1,2\\right)"), ("(1,2]", "(1, 2]"), ("1, 2", "2, 1"), ("\\{1,2,3\\}", "\\{3,1,2\\}"),
+    ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "\\begin{bmatrix}1 & 2 \\\\ 3 & 4\\end{bmatrix}"),
+    ("(1,8,19), (2,7,13), (4,5,7)", "(4,5,7), (1,8,19), (2,7,13)"), ("69,84", "84, 69"),
+    ("(-\\infty, -3] \\cup [2, \\infty)", "[2,\\infty) \\cup (-\\infty,-3]"),
+    # equations and inequalities (an inequality in one variable is the interval it describes, both ways)
+    ("x = 5", "5"), ("5", "x=5"), ("y = 2x+3", "y = 3 + 2x"), ("f(x)=x,f(x)=2-x", "f(x)=2-x, f(x)=x"),
+    ("x \\ge 2", "[2, \\infty)"), ("[2,\\infty)", "x\\geq 2"), ("x > 2", "(2, \\infty)"), ("x<3", "(-\\infty,3)"),
+    ("2 < x \\le 5", "(2,5]"), ("x \\in [2, \\infty)", "[2,\\infty)"),
+    # text
+    ("\\text{(C)}", "C"), ("\\text{Evelyn}", "Evelyn"), ("(B)", "\\textbf{B}"), ("\\text{yes}", "Yes"),
+]
+
+NOT_EQUIVALENT = [
+    ("1", "-1"), ("\\frac{1}{2}", "2"), ("(1,2)", "[1,2]"), ("x+1", "x-1"), ("10", "100"), ("(1,2]", "(1,2)"),
+    ("1000000", "1000001"), ("3.1416", "3.1426"), ("0.333", "\\frac{1}{3}"), ("4.5e33", "4.5e34"),
+    ("2\\sqrt{2}", "\\sqrt{2}"), ("\\frac{\\pi}{2}", "\\pi"), ("x^2+2x+1", "(x-1)^2"), ("1, 2", "1, 2, 3"),
+    ("1, 2", "1, 1"), ("\\{1,2\\}", "(1,2)"), ("(2,1)", "(1,2)"), ("y=2x+3", "y=2x-3"), ("x = 5", "6"),
+    ("x \\ge 2", "(2, \\infty)"), ("x > 2", "[2,\\infty)"), ("C", "D"), ("\\text{Evelyn}", "Bob"),
+    ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "\\begin{pmatrix}1&2\\\\3&5\\end{pmatrix}"),
+    ("\\begin{pmatrix}1&2\\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"), ("025", "250"),
+    ("1+2i", "1-2i"), ("e", "2.718"), ("5", ""), ("", "5"), ("5\\text{ cm}", "6"), ("50\\%", "5"),
+    ("12", "1, 2"), ("x", "y"), ("\\infty", "-\\infty"), ("\\sqrt{2}", "1.41"),
+]
+
+
+@pytest.mark.parametrize("a,b", EQUIVALENT)
+def test_equivalent(a, b):
+    assert is_equivalent(a, b) and is_equivalent(b, a)
+
+
+@pytest.mark.parametrize("a,b", NOT_EQUIVALENT)
+def test_not_equivalent(a, b):
+    assert not is_equivalent(a, b) and not is_equivalent(b, a)
+
+
+def test_relative_tolerance_both_sides():
+    assert reward.REL_TOL == 1e-4
+    assert is_equivalent("1.00009", "1")       # 9e-5 < 1e-4
+    assert not is_equivalent("1.00011", "1")   # 1.1e-4 > 1e-4
+    assert not is_equivalent("1000001", "1000000")  # integers are exact, whatever the tolerance
+
+
+def test_public_grader_cases_at_least_math_verify_rate():
+    rows = [line.rstrip("\n").split("\t") for line in open(os.path.join(HERE, "data", "grader_cases.tsv"))
+            if line.strip() and not line.startswith("#")]
+    wrong = [r for r in rows if is_equivalent(r[1], r[0]) != (r[2] == "1")]
+    assert len(rows) >= 80
+    assert 1 - len(wrong) / len(rows) >= 0.98, wrong
+    # the one deliberate disagreement: an ordered pair is not a set
+    assert [r[:2] for r in wrong] == [["$(1,3)$", "${1,3}$"]]
+
+
+def test_extract_boxed():
+    assert extract_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}} c") == "\\frac{1}{2}"
+    assert extract_boxed("\\boxed{\\{1,2\\}}") == "\\{1,2\\}"
+    assert extract_boxed("\\boxed{a{b{c}}d}") == "a{b{c}}d"
+    assert extract_boxed("so \\boxed 5$ done") == "5"
+    assert extract_boxed("\\fbox{3}") == "3"
+    assert extract_boxed("\\boxed{1} then \\fbox{2}") == "2"
+    assert extract_boxed("no box here") is None
+    assert extract_boxed("\\boxed{unbalanced") is None
+    assert extract_boxed(None) is None
+
+
+def test_score():
+    assert score("... so the answer is $\\boxed{25}$.", "025") == 1.0
+    assert score("... so the answer is $\\boxed{24}$.", "025") == -1.0
+    assert score("the answer is 25", "25") == -1.0  # no box
+    assert score("\\boxed{}", "0") == -1.0
+
+
+def test_hostile_payloads_never_run(tmp_path):
+    marker = tmp_path / "pwned"
+    for payload in [f"__import__('os').system('touch {marker}')",
+                    f"().__class__.__bases__[0].__subclasses__()",
+                    f"exec(\"open('{marker}','w')\")", f"eval('open(\"{marker}\",\"w\")')",
+                    f"\\text{{__import__('os').system('touch {marker}')}}", f"x; import os; os.system('touch {marker}')",
+                    f"Symbol('x').__class__", "lambda: 1"]:
+        assert score(f"\\boxed{{{payload}}}", "1") == -1.0
+        assert not is_equivalent(payload, payload + "1")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("absurd", ["9^{9^{9^{9}}}", "{" * 10000 + "1" + "}" * 10000, "1" * 100000,
+                                    "(" * 5000 + ")" * 5000, "10^{10^{10}}", "1000!", "99999!",
+                                    "\\binom{10^{9}}{5}", "2^{2^{2^{2^{2^{2}}}}}", "1e999999"])
+def test_absurd_inputs_are_refused_quickly(absurd):
+    t0 = time.monotonic()
+    assert not is_equivalent(absurd, "1")
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_check_that_hangs_is_cut_at_the_timeout():
+    slow = "(x+1)^{400}(x+2)^{300}"
+    is_equivalent("x+1", "x+1.5")  # warm the worker
+    t0 = time.monotonic()
+    assert not is_equivalent(slow, "(x+2)^{400}(x+1)^{300}", timeout=0.5)
+    assert time.monotonic() - t0 < 1.5
+    assert is_equivalent("\\sqrt{8}", "2\\sqrt{2}")  # the worker was replaced and still works
+
+
+def test_checks_from_many_threads():
+    results = [None] * 8
+
+    def work(k):
+        results[k] = all(is_equivalent(a, b) for a, b in EQUIVALENT[:20])
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 8
+
+
+LATEX_BITS = ["\\frac", "\\sqrt", "{", "}", "(", ")", "[", "]", "^", "_", "x", "y", "1", "2", "9", "0", ".",
+              ",", "=", "+", "-", "*", "/", "\\pi", "\\infty", "\\left(", "\\right)", "\\text{", "\\{", "\\}",
+              "\\cdot", "\\times", "e", "i", "!", "|", "\\le", ">", " ", "\\begin{pmatrix}", "&", "\\\\",
+              "\\end{pmatrix}", "\\boxed{", "\\sin", "\\log", "%", "$", "\\cup", "10^{", "e33"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.sampled_from(LATEX_BITS), max_size=30), st.lists(st.sampled_from(LATEX_BITS), max_size=12))
+def test_fuzz_never_raises_and_returns_within_timeout(a, b):
+    a, b = "".join(a), "".join(b)
+    t0 = time.monotonic()
+    r = is_equivalent(a, b, timeout=1.0)
+    assert isinstance(r, bool)
+    assert time.monotonic() - t0 < 2.0
+    assert score(a, b) in (1.0, -1.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=60))
+def test_fuzz_arbitrary_text(a):
+    assert isinstance(is_equivalent(a, "1", timeout=1.0), bool)
+    assert isinstance(extract_boxed(a), (str, type(None)))
