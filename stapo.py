@@ -116,7 +116,7 @@ class _ChunkedHead(torch.autograd.Function):
         return grad_h, grad_w, None, None, None
 
 
-def token_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, chunk_size=256):
+def token_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, chunk_size=128):
     """Log-prob (with grad) and entropy (no grad, nats) of each sampled token, from decoder hidden states.
 
     hidden: [M, D] the final hidden state before each token; weight: [V, D] the lm_head weight;
@@ -125,3 +125,447 @@ def token_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, chunk_si
     equal to log_softmax(hidden @ weight.T / T) gathered at tokens, in values and gradients.
     """
     return _ChunkedHead.apply(hidden, weight, tokens, float(temperature), chunk_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The trainer: torchrun stapo.py --model ... (also one CPU process, or several under gloo)
+# ----------------------------------------------------------------------------------------------------
+import argparse, json, math, os, random, shutil, socket, time  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
+               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+DAPO_SUFFIX = "\n\nRemember to put your answer on its own line after \"Answer:\"."
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description="STAPO trainer. Defaults are the paper's (JustRL + S2T).")
+    a = p.add_argument
+    a("--model", default="Qwen/Qwen3-8B", help="HF Hub id or local path")
+    a("--dataset", default="BytedTsinghua-SIA/DAPO-Math-17k", help="Hub id, or a local .jsonl/.parquet")
+    a("--out", default="runs/stapo")
+    a("--method", default="stapo", choices=["stapo", "justrl", "grpo", "entropy20"])
+    a("--steps", type=int, default=1000)
+    a("--prompts-per-step", type=int, default=256)
+    a("--group-size", type=int, default=8)
+    a("--minibatches", type=int, default=4, help="optimizer updates per step")
+    a("--micro-tokens", type=int, default=16384, help="token budget of one forward/backward")
+    a("--max-prompt-len", type=int, default=1024)
+    a("--max-response-len", type=int, default=15360)
+    a("--temperature", type=float, default=1.0)
+    a("--top-p", type=float, default=1.0)
+    a("--lr", type=float, default=1e-6)
+    a("--warmup-steps", type=int, default=10)
+    a("--weight-decay", type=float, default=0.1)
+    a("--grad-clip", type=float, default=1.0)
+    a("--eps-low", type=float, default=0.2)
+    a("--eps-high", type=float, default=0.28)
+    a("--clip-c", type=float, default=10.0, help="dual-clip constant for A < 0")
+    a("--tau-p", type=float, default=0.002, help="S2T: probability threshold")
+    a("--q", type=float, default=0.75, help="S2T: entropy quantile over the candidates")
+    a("--no-chat-template", dest="chat_template", action="store_false")
+    a("--enable-thinking", action="store_true", help="passed to the chat template (Qwen3's hybrid thinking)")
+    a("--engine", default="auto", choices=["auto", "vllm", "hf"])
+    a("--gpu-memory-utilization", type=float, default=0.3)
+    a("--save-every", type=int, default=50)
+    a("--resume", action="store_true")
+    a("--log-silenced", action="store_true")
+    a("--eval-every", type=int, default=0)
+    a("--eval-benchmarks", default="aime24,math500")
+    a("--eval-samples", type=int, default=4)
+    a("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+# ---- distribution -------------------------------------------------------------------------------------
+
+def init_distributed():
+    """torchrun's env (or a lone process): returns rank, world size, device, a 1-D device mesh."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # a plain `python stapo.py`: a world of one
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=str(s.getsockname()[1]))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device, init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def all_sum(*xs):
+    t = torch.tensor([float(x) for x in xs], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def gather_cat(x):
+    """Concatenate a 1-D float tensor of any length from every rank."""
+    n = torch.tensor([x.numel()])
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    buf = torch.full((int(max(sizes)),), float("nan"))
+    buf[:x.numel()] = x.float().cpu()
+    parts = [torch.empty_like(buf) for _ in sizes]
+    dist.all_gather(parts, buf)
+    return torch.cat([p[:int(k)] for p, k in zip(parts, sizes)])
+
+
+# ---- data ---------------------------------------------------------------------------------------------
+
+def read_jsonl(path, fields=()):
+    """[(\"file:line\", row)] of a .jsonl file; a line that is not a JSON object, or lacks one of `fields`,
+    is an error naming the file, the line and the field."""
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+            missing = [k for k in fields if not isinstance(row, dict) or row.get(k) is None]
+            if not isinstance(row, dict) or missing:
+                raise ValueError(f"{path}:{i}: " + (f"missing field {missing[0]!r}" if missing else "not an object"))
+            rows.append((f"{path}:{i}", row))
+    return rows
+
+
+def _problem_answer(row, where):
+    if "prompt" not in row:
+        missing = [k for k in ("problem", "answer") if row.get(k) is None]
+        if missing:
+            raise ValueError(f"{where}: missing field {missing[0]!r}")
+        return row["problem"], str(row["answer"])
+    try:  # DAPO-Math-17k's own schema: the problem inside its instruction wrapper, the gold in reward_model
+        content, gold = row["prompt"][0]["content"], str(row["reward_model"]["ground_truth"])
+    except (KeyError, IndexError, TypeError):
+        raise ValueError(f"{where}: missing field 'prompt[0].content' or 'reward_model.ground_truth'") from None
+    if content.startswith(DAPO_PREFIX) and content.endswith(DAPO_SUFFIX):
+        content = content[len(DAPO_PREFIX):len(content) - len(DAPO_SUFFIX)]
+    return content, gold
+
+
+def load_problems(spec):
+    """[(problem, answer)] from a local .jsonl/.parquet or a Hub dataset, duplicates of a problem dropped."""
+    if spec.endswith(".jsonl"):
+        rows = read_jsonl(spec)
+    else:
+        import datasets
+        ds = datasets.load_dataset("parquet", data_files=spec)["train"] if spec.endswith(".parquet") else \
+            datasets.load_dataset(spec, split="train")
+        rows = [(f"{spec}: row {i}", r) for i, r in enumerate(ds)]
+    seen, out = set(), []
+    for where, row in rows:
+        problem, answer = _problem_answer(row, where)
+        if problem not in seen:
+            seen.add(problem)
+            out.append((problem, answer))
+    return out
+
+
+def encode_prompt(tok, problem, chat_template=True, enable_thinking=False):
+    text = problem + SUFFIX
+    if chat_template and tok.chat_template:
+        text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True, enable_thinking=enable_thinking)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def step_prompts(data, step, args, rank, world):
+    """This rank's share of step `step`'s prompts, mini-batch by mini-batch: mini-batch b is the same
+    block of prompts whatever the world size. The data is shuffled anew (seeded) every epoch."""
+    per_mb = args.prompts_per_step // args.minibatches
+    out = []
+    for b in range(args.minibatches):
+        first = step * args.prompts_per_step + b * per_mb + rank * (per_mb // world)
+        for g in range(first, first + per_mb // world):
+            epoch, j = divmod(g, len(data))
+            order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed * 7919 + epoch))
+            out.append((g, *data[int(order[j])]))
+    return out
+
+
+# ---- the model ----------------------------------------------------------------------------------------
+
+class Policy(torch.nn.Module):
+    """A causal LM whose forward gives (log p, H) of the response tokens, never the full logits."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids, attention_mask, response, temperature):
+        h = self.lm.get_decoder()(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+        at = response[:, 1:]  # the hidden state at t predicts token t + 1
+        return token_logprobs_and_entropy(h[:, :-1][at], self.lm.get_output_embeddings().weight,
+                                          ids[:, 1:][at], temperature)
+
+
+def build_policy(path, mesh, device):
+    """fp32 master weights sharded by FSDP2 per decoder layer, then the root; bf16 compute on GPU."""
+    from transformers import AutoModelForCausalLM
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    mp = MixedPrecisionPolicy()
+    if device.type == "cuda":
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = Policy(lm)
+    for layer in lm.get_decoder().layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    return fully_shard(policy, mesh=mesh, mp_policy=mp).train()
+
+
+def full_params(policy):
+    """(HF name, full tensor) one parameter at a time, in the same order on every rank (a collective)."""
+    for name, p in policy.lm.named_parameters():
+        yield name, p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def micro_batches(rows, idx, budget):
+    """Split sample indices into micro-batches of at most `budget` padded tokens, the same count on
+    every rank (FSDP's collectives need it): a rank with fewer runs empty ones (None)."""
+    out, cur, longest = [], [], 0
+    for i in idx:
+        n = len(rows[i][0]) + len(rows[i][1])
+        if cur and max(longest, n) * (len(cur) + 1) > budget:
+            out.append(cur)
+            cur, longest = [], 0
+        cur, longest = cur + [i], max(longest, n)
+    out += [cur] if cur else []
+    n = torch.tensor([len(out)])
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return out + [None] * (int(n) - len(out))
+
+
+def forward(policy, rows, idx, valid, temperature, device):
+    """(log p, H) [len(idx), R] of the response tokens of samples idx (zero outside `valid`)."""
+    seqs = [rows[i][0] + rows[i][1] for i in idx]
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    response = torch.zeros_like(ids, dtype=torch.bool)
+    for k, (i, s) in enumerate(zip(idx, seqs)):
+        ids[k, :len(s)] = torch.tensor(s)
+        response[k, len(rows[i][0]):len(s)] = True
+    attn = (torch.arange(ids.shape[1]) < torch.tensor([len(s) for s in seqs])[:, None]).long()
+    logp, ent = policy(ids.to(device), attn.to(device), response.to(device), temperature)
+    v = valid[idx]
+    return torch.zeros(v.shape, device=device).masked_scatter(v, logp), \
+        torch.zeros(v.shape, device=device).masked_scatter(v, ent)
+
+
+@torch.no_grad()
+def no_grad_pass(policy, rows, idx, valid, args, device):
+    logp, ent = torch.zeros(valid.shape, device=device), torch.zeros(valid.shape, device=device)
+    for mb in micro_batches(rows, idx, args.micro_tokens):
+        out = forward(policy, rows, mb or idx[:1], valid, args.temperature, device)
+        if mb:
+            logp[mb], ent[mb] = out
+    return logp[idx], ent[idx]
+
+
+def token_weights(method, logp, ent, adv, valid, args):
+    """Per-token weights `keep` and their global denominator for each objective the paper compares."""
+    stats = {}
+    if method == "grpo":  # token mean per sequence, then mean over sequences
+        keep = valid / valid.sum(1, keepdim=True).clamp(min=1)
+        return keep, all_sum(len(valid))[0], stats
+    if method == "entropy20":  # the top 20% entropy tokens of the mini-batch (all ranks)
+        keep = valid & (ent >= torch.quantile(gather_cat(ent[valid]), 0.8).to(ent.device))
+    elif method == "stapo":  # S2T, with one tau_h over the mini-batch's candidates on all ranks
+        cand = valid & (adv[:, None] > 0) & (logp.exp() < args.tau_p)
+        pooled = gather_cat(ent[cand])
+        tau_h = torch.quantile(pooled, args.q).item() if len(pooled) else None
+        silenced = s2t_mask(logp, ent, adv, valid, args.tau_p, args.q, tau_h) if len(pooled) else torch.zeros_like(valid)
+        keep = valid & ~silenced
+        stats = {"silenced": silenced, "candidates": len(pooled), "tau_h": tau_h}
+    else:  # justrl
+        keep = valid
+    return keep, all_sum(keep.sum())[0], stats
+
+
+def train_step(step, policy, opt, engine, tok, prompts, args, device):
+    from reward import score
+    world, t0, G = dist.get_world_size(), time.time(), args.group_size
+    # 1-3. rollout, reward, group advantages
+    groups = engine.generate([p for _, p, _ in prompts], G, args.temperature, args.top_p, args.max_response_len,
+                             seeds=[args.seed * 1_000_003 + step * 100_003 + g for g, _, _ in prompts])
+    engine.sleep()
+    samples = [s for grp in groups for s in grp]
+    rows = [(p, s.tokens) for (_, p, _), grp in zip(prompts, groups) for s in grp]
+    texts = tok.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
+    rewards = torch.tensor([score(t, prompts[i // G][2]) for i, t in enumerate(texts)])
+    adv = group_advantages(rewards, G).to(device)
+    rlen = torch.tensor([len(s.tokens) for s in samples])
+    valid = (torch.arange(max(1, int(rlen.max()))) < rlen[:, None]).to(device)
+    t_rollout = time.time() - t0
+    # 4. the old policy: log p (and, for S2T, p and H) of every sampled token
+    everyone = list(range(len(rows)))
+    old_logp, old_ent = no_grad_pass(policy, rows, everyone, valid, args, device)
+    # 5. mini-batch updates
+    lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup_steps))
+    for group in opt.param_groups:
+        group["lr"] = lr
+    per = len(rows) // args.minibatches
+    m = dict.fromkeys(["silenced", "candidates", "clip_low", "clip_high", "kept", "grad_norm"], 0.0)
+    m["tau_h"], silenced_log = [], []
+    for b in range(args.minibatches):
+        idx = everyone[b * per:(b + 1) * per]
+        logp, ent = (old_logp[idx], old_ent[idx]) if b == 0 else no_grad_pass(policy, rows, idx, valid, args, device)
+        keep, denom, st = token_weights(args.method, logp, ent, adv[idx], valid[idx], args)
+        keep_all = torch.zeros(valid.shape, dtype=keep.dtype, device=device)
+        keep_all[idx] = keep
+        if st:
+            m["silenced"] += float(st["silenced"].sum())
+            m["candidates"] += st["candidates"]
+            m["tau_h"] += [st["tau_h"]] if st["tau_h"] is not None else []
+            silenced_log += [(idx[i], t, logp[i, t].exp().item(), ent[i, t].item())
+                             for i, t in st["silenced"].nonzero().tolist()] if args.log_silenced else []
+        mbs = micro_batches(rows, idx, args.micro_tokens)
+        for k, mb in enumerate(mbs):
+            policy.set_requires_gradient_sync(k == len(mbs) - 1)
+            logp_mb, _ = forward(policy, rows, mb or idx[:1], valid, args.temperature, device)
+            sel = mb or idx[:1]
+            loss, st = stapo_loss(logp_mb, old_logp[sel], adv[sel], keep_all[sel] * (mb is not None), denom,
+                                  args.eps_low, args.eps_high if args.method != "grpo" else args.eps_low,
+                                  args.clip_c if args.method != "grpo" else None)
+            (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global mean
+            for key in ("clip_low", "clip_high"):
+                m[key] += st[key] * st["kept"]
+            m["kept"] += st["kept"]
+        m["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip).full_tensor()) \
+            / args.minibatches
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    # 6. sync the engine
+    t_train = time.time() - t0 - t_rollout
+    engine.load_weights(full_params(policy))
+    # metrics, summed over ranks
+    n, ok, zero_var, tok_valid, ent_sum, resp_sum, trunc, kept, sil, cand, lo, hi, total_tokens = all_sum(
+        len(samples), float((rewards > 0).sum()), float((rewards.view(-1, G).std(1) == 0).sum()), valid.sum(),
+        old_ent[valid].sum(), rlen.sum(), sum(s.finish_reason == "length" for s in samples), m["kept"],
+        m["silenced"], m["candidates"], m["clip_low"], m["clip_high"], sum(len(p) + len(r) for p, r in rows))
+    max_len = torch.tensor(float(rlen.max()))
+    dist.all_reduce(max_len, op=dist.ReduceOp.MAX)
+    step_s = time.time() - t0
+    metrics = {"step": step + 1, "reward_mean": float(all_sum(rewards.sum())[0] / n), "accuracy": ok / n,
+               "zero_variance_groups": zero_var / (n / G), "response_len_mean": resp_sum / n,
+               "response_len_max": int(max_len), "truncated": trunc / n, "entropy_mean": ent_sum / max(tok_valid, 1),
+               "silenced_frac": sil / max(tok_valid * 1.0, 1), "candidates": int(cand),
+               "tau_h": sum(m["tau_h"]) / len(m["tau_h"]) if m["tau_h"] else None,
+               "clip_low": lo / max(kept, 1), "clip_high": hi / max(kept, 1), "grad_norm": m["grad_norm"], "lr": lr,
+               "rollout_s": t_rollout, "train_s": t_train, "step_s": step_s, "tokens_per_s": total_tokens / step_s}
+    return metrics, [(rows[i][1], t, p, h) for i, t, p, h in silenced_log]
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------
+
+def save_hf(policy, tok, path, rank):
+    """An HF-format model (loadable by transformers and vLLM) and the tokenizer, written by rank 0."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    sd = get_model_state_dict(policy.lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        policy.lm.save_pretrained(path, state_dict=sd)
+        tok.save_pretrained(path)
+
+
+def save_checkpoint(step, policy, opt, tok, args, rank):
+    """out/ckpt/step_N: hf/ (the model), dcp/ (sharded model + optimizer), rng<rank>.pt, state.json.
+    Written under a temporary name and renamed when complete, so a crash never leaves a half checkpoint."""
+    final = os.path.join(args.out, "ckpt", f"step_{step}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(policy, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"))
+    torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, os.path.join(tmp, f"rng{rank}.pt"))
+    save_hf(policy, tok, os.path.join(tmp, "hf"), rank)
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump({"step": step, "data_position": step * args.prompts_per_step}, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    dist.barrier()
+
+
+def load_checkpoint(policy, opt, args, rank):
+    """Restore the latest complete checkpoint; returns the number of steps it had done (0 if none)."""
+    root = os.path.join(args.out, "ckpt")
+    done = [int(d[5:]) for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()] \
+        if os.path.isdir(root) else []
+    if not done:
+        return 0
+    path = os.path.join(root, f"step_{max(done)}")
+    model_sd, optim_sd = get_state_dict(policy, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+    set_state_dict(policy, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    rng = torch.load(os.path.join(path, f"rng{rank}.pt"), weights_only=False)
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    return max(done)
+
+
+# ---- main -----------------------------------------------------------------------------------------------
+
+def train(args):
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+    from rollout import make_engine
+    rank, world, device, mesh = init_distributed()
+    if args.prompts_per_step % (args.minibatches * world):
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must split evenly into --minibatches "
+                         f"{args.minibatches}, each over {world} ranks")
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    data = [(ids, a) for ids, a in ((encode_prompt(tok, p, args.chat_template, args.enable_thinking), a)
+                                    for p, a in load_problems(args.dataset)) if len(ids) <= args.max_prompt_len]
+    policy = build_policy(args.model, mesh, device)
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    start = load_checkpoint(policy, opt, args, rank) if args.resume else 0
+    engine = make_engine(args, device, rank)
+    engine.load_weights(full_params(policy))  # vLLM starts from dummy weights; after --resume, the loaded ones
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "config.json"), "w") as f:
+            json.dump({**vars(args), "world_size": world, "device": str(device), "problems": len(data)}, f, indent=1)
+    for step in tqdm(range(start, args.steps), disable=rank != 0, desc="stapo", initial=start, total=args.steps):
+        metrics, silenced = train_step(step, policy, opt, engine, tok, step_prompts(data, step, args, rank, world),
+                                       args, device)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            from eval import evaluate_during_training
+            metrics.update(evaluate_during_training(engine, tok, args, rank, world))
+        silenced_all = [None] * world
+        dist.all_gather_object(silenced_all, [(tok.decode(r[:t])[-40:], tok.decode([r[t]]), tok.decode(r[t + 1:])[:40],
+                                               p, h) for r, t, p, h in silenced])
+        if rank == 0:
+            with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+                                if k in ("step", "reward_mean", "accuracy", "silenced_frac", "response_len_mean",
+                                         "entropy_mean", "grad_norm", "step_s")))
+            if args.log_silenced:
+                with open(os.path.join(args.out, "silenced.jsonl"), "a") as f:
+                    for left, token, right, p, h in (x for part in silenced_all for x in part):
+                        f.write(json.dumps({"step": step + 1, "token": token, "p": p, "H": h, "left": left,
+                                            "right": right}) + "\n")
+        if args.save_every and (step + 1) % args.save_every == 0:
+            save_checkpoint(step + 1, policy, opt, tok, args, rank)
+    save_hf(policy, tok, os.path.join(args.out, "model"), rank)
+    dist.barrier()
+    return policy
+
+
+if __name__ == "__main__":
+    train(get_args())
+    dist.destroy_process_group()

@@ -71,7 +71,7 @@ def main():
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=128)
     p.add_argument("--method", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.method:

@@ -1,0 +1,241 @@
+"""The trainer on a tiny offline Qwen3: objectives, distribution invariance, resume, degenerate batches, data."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import stapo
+from rollout import Sample
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED = os.path.join(ROOT, "..", "shared", "data")
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import toy  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A tiny Qwen3 + tokenizer, warm-started so that some answers are right (rewards vary), and the
+    toy's training problems."""
+    d = tmp_path_factory.mktemp("tiny")
+    tok = toy.build_tokenizer(str(d / "model"))
+    toy.warm_start(toy.build_model(str(d / "model"), tok), tok, toy.problems()[0], steps=120).save_pretrained(d / "model")
+    with open(d / "train.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in toy.problems()[0])
+    return d, tok
+
+
+def args_for(tiny_dir, out, *extra):
+    return ["--model", str(tiny_dir / "model"), "--dataset", str(tiny_dir / "train.jsonl"), "--out", str(out),
+            "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2", "--micro-tokens", "256",
+            "--max-prompt-len", "64", "--max-response-len", "6", "--lr", "1e-3", "--warmup-steps", "2",
+            "--save-every", "0", "--tau-p", "0.2", *extra]
+
+
+def load_params(path):
+    from transformers import AutoModelForCausalLM
+    return {k: v.detach().clone() for k, v in AutoModelForCausalLM.from_pretrained(path).state_dict().items()}
+
+
+def assert_same_params(a, b, atol=2e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=atol, rtol=1e-4), (k, (a[k] - b[k]).abs().max())
+
+
+def run(argv, nproc=1):
+    cmd = [sys.executable, os.path.join(ROOT, "stapo.py"), *argv] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+         os.path.join(ROOT, "stapo.py"), *argv]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+# ---- distribution, micro-batching, resume -------------------------------------------------------------
+
+def test_two_ranks_and_other_micro_batches_equal_one_process(tiny, tmp_path):
+    d, _ = tiny
+    run(args_for(d, tmp_path / "one", "--steps", "3"))
+    run(args_for(d, tmp_path / "two", "--steps", "3"), nproc=2)
+    run(args_for(d, tmp_path / "micro", "--steps", "3", "--micro-tokens", "64"))
+    one = load_params(tmp_path / "one" / "model")
+    assert_same_params(one, load_params(tmp_path / "two" / "model"))
+    assert_same_params(one, load_params(tmp_path / "micro" / "model"))
+    assert not torch.allclose(one["lm_head.weight"], load_params(d / "model")["lm_head.weight"])  # it trained
+    m1 = [json.loads(x) for x in open(tmp_path / "one" / "metrics.jsonl")]
+    m2 = [json.loads(x) for x in open(tmp_path / "two" / "metrics.jsonl")]
+    assert [x["reward_mean"] for x in m1] == [x["reward_mean"] for x in m2]
+    assert [x["response_len_mean"] for x in m1] == [x["response_len_mean"] for x in m2]
+
+
+def test_resume_equals_uninterrupted(tiny, tmp_path):
+    d, _ = tiny
+    stapo.train(stapo.get_args(args_for(d, tmp_path / "full", "--steps", "4")))
+    stapo.train(stapo.get_args(args_for(d, tmp_path / "cut", "--steps", "2", "--save-every", "2")))
+    assert os.path.isdir(tmp_path / "cut" / "ckpt" / "step_2" / "hf")
+    assert not any(p.endswith(".tmp") for p in os.listdir(tmp_path / "cut" / "ckpt"))
+    stapo.train(stapo.get_args(args_for(d, tmp_path / "cut", "--steps", "4", "--save-every", "2", "--resume")))
+    assert_same_params(load_params(tmp_path / "full" / "model"), load_params(tmp_path / "cut" / "model"))
+    full = [json.loads(x) for x in open(tmp_path / "full" / "metrics.jsonl")]
+    cut = [json.loads(x) for x in open(tmp_path / "cut" / "metrics.jsonl")]
+    assert [x["step"] for x in cut] == [1, 2, 3, 4]
+    for a, b in zip(full[2:], cut[2:]):
+        assert a["reward_mean"] == b["reward_mean"] and a["lr"] == b["lr"]
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
+    state = json.load(open(tmp_path / "cut" / "ckpt" / "step_4" / "state.json"))
+    assert state == {"step": 4, "data_position": 16}
+
+
+def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path):
+    d, _ = tiny
+    stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "2", "--log-silenced", "--tau-p", "0.9")))
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert cfg["method"] == "stapo" and cfg["tau_p"] == 0.9 and cfg["world_size"] == 1
+    m = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    need = {"reward_mean", "accuracy", "zero_variance_groups", "response_len_mean", "response_len_max", "truncated",
+            "entropy_mean", "silenced_frac", "candidates", "tau_h", "clip_low", "clip_high", "grad_norm", "lr",
+            "rollout_s", "train_s", "step_s", "tokens_per_s"}
+    assert need <= m[0].keys()
+    assert m[0]["silenced_frac"] > 0 and m[0]["candidates"] > 0  # tau_p = 0.9 makes most tokens candidates
+    sil = [json.loads(x) for x in open(tmp_path / "silenced.jsonl")]
+    assert {"step", "token", "p", "H", "left", "right"} == sil[0].keys()
+    for step in (1, 2):  # one line per silenced token: silenced_frac * the step's 16 samples' valid tokens
+        n_valid = m[step - 1]["response_len_mean"] * 16
+        assert sum(x["step"] == step for x in sil) == round(m[step - 1]["silenced_frac"] * n_valid)
+    assert all(x["p"] < 0.9 for x in sil)
+    assert all(len(x["left"]) <= 40 and len(x["right"]) <= 40 for x in sil)
+
+
+# ---- one step on controlled samples ---------------------------------------------------------------------
+
+class FixedEngine:
+    """Returns the samples it is given, whatever it is asked: for degenerate-batch tests."""
+
+    def __init__(self, groups):
+        self.groups, self.synced = groups, 0
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds):
+        assert len(prompts) == len(self.groups) and all(len(g) == n for g in self.groups)
+        return self.groups
+
+    def load_weights(self, named):
+        self.synced += sum(1 for _ in named)
+
+    def sleep(self):
+        pass
+
+
+def test_degenerate_batches_give_finite_steps(tiny, tmp_path):
+    d, tok = tiny
+    args = stapo.get_args(args_for(d, tmp_path, "--method", "stapo"))
+    rank, world, device, mesh = stapo.init_distributed()
+    policy = stapo.build_policy(args.model, mesh, device)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    data = stapo.load_problems(args.dataset)[:4]
+    prompts = [(i, stapo.encode_prompt(tok, p), a) for i, (p, a) in enumerate(data)]
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
+    right, wrong = ids(f"\\boxed{{{data[0][1]}}}"), ids("\\boxed{99}")
+    groups = [[Sample(right, "stop")] * 4,                                   # all correct: zero advantage
+              [Sample(ids("\\boxed{98}"), "stop")] * 4,                      # all wrong: zero advantage
+              [Sample([], "stop")] * 2 + [Sample(ids(f"\\boxed{{{data[2][1]}}}"), "stop")] * 2,  # empty
+              [Sample(wrong[:3], "length")] * 3 + [Sample(ids(f"\\boxed{{{data[3][1]}}}"), "stop")]]  # truncated
+    engine = FixedEngine(groups)
+    before = {k: v.full_tensor().clone() for k, v in policy.state_dict().items()}
+    for method in ("stapo", "justrl", "grpo", "entropy20"):
+        args.method = method
+        metrics, _ = stapo.train_step(0, policy, opt, engine, tok, prompts, args, device)
+        assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+        assert metrics["zero_variance_groups"] == 0.5 and metrics["truncated"] == 3 / 16
+        assert metrics["response_len_mean"] == sum(len(s.tokens) for g in groups for s in g) / 16
+    assert engine.synced == len(list(policy.parameters())) * 4
+    after = policy.state_dict()
+    assert all(torch.isfinite(v.full_tensor()).all() for v in after.values())
+    assert any(not torch.equal(before[k], after[k].full_tensor()) for k in before)
+
+    # all groups degenerate: zero advantages everywhere, a zero loss, and a step that does not crash
+    engine.groups = [[Sample(right, "stop")] * 4] * 4
+    metrics, _ = stapo.train_step(1, policy, opt, engine, tok, prompts, args, device)
+    assert metrics["zero_variance_groups"] == 1.0 and metrics["grad_norm"] == 0.0
+
+
+def test_method_objectives_on_a_fixed_batch(tiny):
+    stapo.init_distributed()
+    args = stapo.get_args(["--tau-p", "0.5", "--q", "0.5"])
+    logp = torch.tensor([[0.1, 0.6, 0.3, 0.9], [0.2, 0.2, 0.2, 0.2], [0.1, 0.45, 0.9, 0.9]]).log()
+    ent = torch.tensor([[0.5, 0.1, 2.0, 0.3], [0.4, 0.4, 0.4, 0.4], [1.0, 0.2, 3.0, 0.7]])
+    valid = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    # justrl: every valid token, one global count
+    keep, denom, _ = stapo.token_weights("justrl", logp, ent, adv, valid, args)
+    assert torch.equal(keep, valid) and denom == 9
+    # stapo: candidates (A > 0, p < 0.5, valid) are (0,0) H .5, (0,2) H 2, (2,0) H 1, (2,1) H .2;
+    # median of [.2 .5 1 2] = .75, silenced: H < .75 -> (0,0), (2,1)
+    keep, denom, st = stapo.token_weights("stapo", logp, ent, adv, valid, args)
+    silenced = torch.zeros_like(valid)
+    silenced[0, 0] = silenced[2, 1] = True
+    assert torch.equal(st["silenced"], silenced) and torch.equal(keep, valid & ~silenced) and denom == 7
+    assert st["candidates"] == 4 and st["tau_h"] == pytest.approx(0.75)
+    # grpo: 1/|o_i| per token, the mean over sequences
+    keep, denom, _ = stapo.token_weights("grpo", logp, ent, adv, valid, args)
+    assert torch.allclose(keep, valid / torch.tensor([[3.0], [2.0], [4.0]])) and denom == 3
+    # entropy20: the top 20% entropy among the 9 valid tokens: 0.8-quantile of
+    # [.1 .2 .3? no: valid H = .5 .1 2 | .4 .4 | 1 .2 3 .7] sorted [.1 .2 .4 .4 .5 .7 1 2 3] -> pos 6.4 -> 1.4
+    keep, denom, _ = stapo.token_weights("entropy20", logp, ent, adv, valid, args)
+    expect = valid & (ent >= 1.4)
+    assert torch.equal(keep, expect) and denom == 2  # H = 2 and H = 3
+
+
+# ---- data -------------------------------------------------------------------------------------------------
+
+def test_local_jsonl_bad_rows_name_file_line_and_field(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"problem": "1+1", "answer": "2"}\n\n{"problem": "2+2"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: missing field 'answer'"):
+        stapo.load_problems(str(p))
+    p.write_text('{"problem": "1+1", "answer": "2"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not valid JSON"):
+        stapo.load_problems(str(p))
+    with pytest.raises(ValueError, match=r"x\.jsonl:1: missing field 'answer'"):
+        (tmp_path / "x.jsonl").write_text('{"problem": "1"}\n')
+        stapo.read_jsonl(str(tmp_path / "x.jsonl"), ["problem", "answer"])
+
+
+def test_parquet_and_dedup(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"problem": ["a", "b", "a"], "answer": ["1", "2", "1"]}), tmp_path / "d.parquet")
+    assert stapo.load_problems(str(tmp_path / "d.parquet")) == [("a", "1"), ("b", "2")]
+
+
+def test_dapo_nested_schema_unwrapped_and_deduplicated(tmp_path):
+    path = os.path.join(SHARED, "train", "dapo_math_17k_sample.jsonl")
+    if not os.path.exists(path):
+        pytest.skip("../shared/data/train/dapo_math_17k_sample.jsonl is absent")
+    rows = open(path).read().splitlines()
+    (tmp_path / "dapo.jsonl").write_text("\n".join(rows + rows) + "\n")  # the Hub repeats every prompt
+    got = stapo.load_problems(str(tmp_path / "dapo.jsonl"))
+    assert [a for _, a in got] == ["34", "113", "-3"]
+    assert not any("Answer:" in p for p, _ in got)
+    flat = [json.loads(x) for x in open(os.path.join(SHARED, "train", "dapo_math_17k.jsonl")).read().splitlines()[:3]]
+    assert [p for p, _ in got] == [r["problem"] for r in flat]  # exactly the problem, whitespace kept
+
+
+def test_prompt_suffix_and_chat_template(tiny):
+    _, tok = tiny
+    ids = stapo.encode_prompt(tok, "What is 1 + 2?")
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>user\nWhat is 1 + 2?" + stapo.SUFFIX) and text.endswith("assistant\n")
+    raw = tok.decode(stapo.encode_prompt(tok, "What is 1 + 2?", chat_template=False))
+    assert raw == "What is 1 + 2?" + stapo.SUFFIX
+
+
+def test_bad_split_is_an_error(tiny, tmp_path):
+    d, _ = tiny
+    with pytest.raises(ValueError, match="--prompts-per-step 4 must split evenly into --minibatches 3"):
+        stapo.train(stapo.get_args(args_for(d, tmp_path, "--minibatches", "3")))
