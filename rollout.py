@@ -1,7 +1,8 @@
 """rollout.py: the sampling engines. Both keep their own inference copy of the policy.
 
 The trainer speaks to an engine through three calls:
-    engine.generate(prompts, n, temperature, top_p, max_tokens, seeds) -> [[Sample] * n for each prompt]
+    engine.generate(prompts, n, temperature, top_p, max_tokens, seeds, progress=False)
+        -> [[Sample] * n for each prompt]
     engine.load_weights(named_tensors)   # the weights changed: (name, full tensor) pairs, one at a time
     engine.sleep()                       # rollout over: give the accelerator memory back to the trainer
 
@@ -30,9 +31,10 @@ class HFEngine:
         self.eos, self.device = set(eos_ids), device
 
     @torch.no_grad()
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
+        from tqdm import tqdm
         out = []
-        for prompt, seed in zip(prompts, seeds):
+        for prompt, seed in tqdm(list(zip(prompts, seeds)), disable=not progress, desc="generate"):
             torch.manual_seed(seed)
             ids = torch.tensor([prompt] * n, device=self.device)
             greedy = temperature == 0
@@ -70,11 +72,10 @@ def eos_ids(model_path, tok):
     return sorted(set(eos if isinstance(eos, list) else [eos]))
 
 
-def make_engine(args, device, rank):
+def make_engine(kind, model, device, rank, max_model_len, gpu_memory_utilization):
     """--engine auto: vLLM when CUDA and vllm are present, else HF generate."""
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(args.model)
-    kind = args.engine
+    tok = AutoTokenizer.from_pretrained(model)
     if kind == "auto":
         try:
             import vllm  # noqa: F401
@@ -82,6 +83,5 @@ def make_engine(args, device, rank):
         except ImportError:
             kind = "hf"
     if kind == "vllm":
-        return VLLMEngine(args, rank, tok)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return HFEngine(args.model, device, dtype, eos_ids(args.model, tok))
+        return VLLMEngine(model, rank, tok, max_model_len, gpu_memory_utilization)
+    return HFEngine(model, device, torch.bfloat16 if device.type == "cuda" else torch.float32, eos_ids(model, tok))

@@ -179,6 +179,7 @@ def get_args(argv=None):
     a("--eval-every", type=int, default=0)
     a("--eval-benchmarks", default="aime24,math500")
     a("--eval-samples", type=int, default=4)
+    a("--eval-data-dir", help="benchmark .jsonl files for --eval-every (default: the Hub)")
     a("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -533,7 +534,8 @@ def train(args):
     policy = build_policy(args.model, mesh, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     start = load_checkpoint(policy, opt, args, rank) if args.resume else 0
-    engine = make_engine(args, device, rank)
+    engine = make_engine(args.engine, args.model, device, rank, args.max_prompt_len + args.max_response_len,
+                         args.gpu_memory_utilization)
     engine.load_weights(full_params(policy))  # vLLM starts from dummy weights; after --resume, the loaded ones
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)

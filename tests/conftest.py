@@ -1,4 +1,23 @@
+import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import toy  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """The toy's tiny Qwen3 + tokenizer, warm-started so that some answers are right (rewards vary),
+    and the toy's training problems."""
+    d = tmp_path_factory.mktemp("tiny")
+    tok = toy.build_tokenizer(str(d / "model"))
+    train = toy.problems()[0]
+    toy.warm_start(toy.build_model(str(d / "model"), tok), tok, train, steps=120).save_pretrained(d / "model")
+    with open(d / "train.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in train)
+    return d, tok

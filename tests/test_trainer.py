@@ -14,19 +14,7 @@ from rollout import Sample
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(ROOT, "..", "shared", "data")
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-import toy  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    """A tiny Qwen3 + tokenizer, warm-started so that some answers are right (rewards vary), and the
-    toy's training problems."""
-    d = tmp_path_factory.mktemp("tiny")
-    tok = toy.build_tokenizer(str(d / "model"))
-    toy.warm_start(toy.build_model(str(d / "model"), tok), tok, toy.problems()[0], steps=120).save_pretrained(d / "model")
-    with open(d / "train.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in toy.problems()[0])
-    return d, tok
+import toy  # noqa: E402  (the tiny-model fixture, `tiny`, is in conftest.py)
 
 
 def args_for(tiny_dir, out, *extra):
@@ -120,7 +108,7 @@ class FixedEngine:
     def __init__(self, groups):
         self.groups, self.synced = groups, 0
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
         assert len(prompts) == len(self.groups) and all(len(g) == n for g in self.groups)
         return self.groups
 

@@ -1,0 +1,133 @@
+"""eval.py: benchmark loading (offline copies and Hub layouts), metrics, end to end, compare, bad data."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import eval as ev
+import stapo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "..", "shared", "data", "benchmarks")
+
+
+@pytest.mark.skipif(not os.path.isdir(BENCH), reason="../shared/data/benchmarks is absent")
+def test_offline_benchmarks_load_with_the_right_counts():
+    counts = {name: len(ev.load_benchmark(name, BENCH)) for name in ev.BENCHMARKS}
+    assert counts == {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva": 272, "olympiadbench": 675}
+    assert [ev.BENCHMARKS[n][4] for n in ev.BENCHMARKS] == [32, 32, 32, 4, 4, 4]
+
+
+HUB_ROWS = {  # one row in each Hub dataset's own layout, and what it must map to
+    "aime24": ({"id": 60, "problem": "P", "solution": "\\boxed{025}", "url": "u"}, "025"),
+    "aime25": ({"id": "0", "problem": "P", "answer": "70"}, "70"),
+    "amc23": ({"id": 0, "question": "P", "answer": 27.0, "url": "u"}, "27"),
+    "math500": ({"problem": "P", "solution": "s", "answer": "\\frac{1}{2}", "subject": "x", "level": 1,
+                 "unique_id": "test/x/1.json"}, "\\frac{1}{2}"),
+    "minerva": ({"question": "P", "answer": "4.5e33"}, "4.5e33"),
+    "olympiadbench": ({"id": 2253, "question": "P", "solution": ["s"], "final_answer": ["$45$"],
+                       "is_multiple_answer": False, "unit": "minute"}, "45"),
+}
+
+
+@pytest.mark.parametrize("name", list(HUB_ROWS))
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_hub_column_mapping(name, fmt, tmp_path):
+    row, answer = HUB_ROWS[name]
+    path = tmp_path / f"{name}.{fmt}"
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.Table.from_pylist([row, row]), path)
+    else:
+        path.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+    got = ev.load_benchmark(name, source=str(path))
+    assert got[0]["problem"] == "P" and got[0]["answer"] == answer and len(got) == 2
+    assert got[0]["id"] == str(row.get("id", row.get("unique_id", 0)))
+
+
+def test_olympiad_multi_answer_golds_join():
+    row = {"id": 1, "question": "P", "final_answer": ["$(1,8,19)$", "$(2,7,13)$"]}
+    assert ev.hub_row("olympiadbench", row, 0)["answer"] == "(1,8,19), (2,7,13)"
+
+
+def test_avg_and_pass_at_k_by_hand():
+    rec = lambda b, i, c, n=10, f="stop": {"benchmark": b, "id": i, "correct": c, "length": n,  # noqa: E731
+                                          "finish_reason": f}
+    records = [rec("a", "1", True), rec("a", "1", False), rec("a", "1", False), rec("a", "1", True),
+               rec("a", "2", False), rec("a", "2", False), rec("a", "2", False), rec("a", "2", False, 30, "length"),
+               rec("b", "x", True), rec("b", "x", True)]
+    rows = ev.summarize(records)
+    assert rows["a"] == {"n": 2, "k": 4, "avg@k": 25.0, "pass@k": 50.0, "mean_len": 12.5, "truncated": 0.125}
+    assert rows["b"]["avg@k"] == 100.0 and rows["b"]["pass@k"] == 100.0 and rows["b"]["k"] == 2
+    assert rows["average"]["avg@k"] == 62.5
+
+
+def six_benchmarks(d, bad=None):
+    """A data dir with the six files: 3 problems each, 1 + 1 = 2 style."""
+    d.mkdir(exist_ok=True)
+    for name in ev.BENCHMARKS:
+        lines = [json.dumps({"id": str(i), "problem": f"What is {i} + 1?", "answer": str(i + 1)}) for i in range(3)]
+        if name == bad:
+            lines[1] = '{"id": "1", "problem": "What is 1 + 1?"}'
+        (d / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def test_end_to_end_on_the_toy_model_and_compare(tiny, tmp_path):
+    model = str(tiny[0] / "model")
+    data = six_benchmarks(tmp_path / "data")
+    cmd = [sys.executable, os.path.join(ROOT, "eval.py"), "--model", model, "--data-dir", str(data),
+           "--limit", "2", "--samples", "2", "--max-tokens", "32"]
+    for out in ("a", "b"):
+        r = subprocess.run(cmd + ["--out", str(tmp_path / out), "--seed", str(ord(out))], capture_output=True,
+                           text=True, cwd=ROOT, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+    summary = (tmp_path / "a" / "summary.md").read_text()
+    for name in ev.BENCHMARKS:
+        assert f"| {name} | 2 | 2 |" in summary
+    assert "**average**" in summary
+    res = json.load(open(tmp_path / "a" / "results.json"))
+    assert res["model"] == model and res["preset"] == "train" and res["samples_per_s"] > 0 and res["tokens_per_s"] > 0
+    samples = [json.loads(x) for x in open(tmp_path / "a" / "samples.jsonl")]
+    assert len(samples) == 6 * 2 * 2
+    assert {"benchmark", "id", "sample", "completion", "extracted", "gold", "correct", "length",
+            "finish_reason"} == samples[0].keys()
+    # the table agrees with the samples
+    for name in ev.BENCHMARKS:
+        rs = [s for s in samples if s["benchmark"] == name]
+        assert res["table"][name]["avg@k"] == pytest.approx(100 * sum(s["correct"] for s in rs) / len(rs))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--compare", str(tmp_path / "a"),
+                        str(tmp_path / "b")], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.count("\n") == 2 + 7
+    rb = json.load(open(tmp_path / "b" / "results.json"))["table"]
+    diff = rb["math500"]["avg@k"] - res["table"]["math500"]["avg@k"]
+    assert f"| math500 | {res['table']['math500']['avg@k']:.2f} | {rb['math500']['avg@k']:.2f} | {diff:+.2f} |" \
+        in r.stdout
+
+
+def test_malformed_benchmark_file_names_file_and_line(tmp_path):
+    data = six_benchmarks(tmp_path / "data", bad="minerva")
+    with pytest.raises(ValueError, match=r"minerva\.jsonl:2: missing field 'answer'"):
+        ev.load_benchmark("minerva", str(data))
+
+
+def test_bad_arguments(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", "x", "--benchmarks", "gsm8k"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "unknown ['gsm8k']" in r.stderr
+
+
+def test_eval_during_training(tiny, tmp_path):
+    d, _ = tiny
+    data = six_benchmarks(tmp_path / "data")
+    stapo.train(stapo.get_args(["--model", str(d / "model"), "--dataset", str(d / "train.jsonl"), "--out",
+                                str(tmp_path / "run"), "--prompts-per-step", "4", "--group-size", "2",
+                                "--minibatches", "1", "--max-response-len", "6", "--steps", "2", "--save-every", "0",
+                                "--eval-every", "1", "--eval-benchmarks", "aime24,math500", "--eval-samples", "2",
+                                "--eval-data-dir", str(data)]))
+    m = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert len(m) == 2 and all({"eval/aime24", "eval/math500", "eval/average"} <= x.keys() for x in m)
+    assert all(0 <= x["eval/aime24"] <= 100 for x in m)
