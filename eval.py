@@ -166,7 +166,7 @@ def main(argv=None):
     rank, world, device, _ = init_distributed()
     tok = AutoTokenizer.from_pretrained(a.model)
     engine = make_engine(a.engine, a.model, device, rank, max_model_len=a.max_tokens + 2048,
-                         gpu_memory_utilization=a.gpu_memory_utilization)
+                         gpu_memory_utilization=a.gpu_memory_utilization, for_training=False)
     t0 = time.time()
     records = gather_records(evaluate(engine, tok, names, a.samples, temperature, top_p, a.max_tokens, rank, world,
                                       a.data_dir, a.limit, a.chat_template, a.enable_thinking, a.seed), world)

@@ -61,6 +61,76 @@ class HFEngine:
         pass
 
 
+class VLLMEngine:
+    """Colocated vLLM: one in-process engine per torchrun rank (external launcher, TP 1), asleep while
+    the trainer works. Sleep level 2 drops the weights rather than backing them up in host memory,
+    since every sync re-pushes all of them anyway (level 1 would copy 16 GB per rank for Qwen3-8B).
+    For training it starts from dummy weights: the first sync writes the real ones."""
+
+    def __init__(self, model, rank, tok, max_model_len, gpu_memory_utilization, for_training=True):
+        from vllm import LLM
+        self.llm = LLM(model=model, distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+                       seed=rank, gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=for_training,
+                       max_model_len=max_model_len, logprobs_mode="processed_logprobs",
+                       load_format="dummy" if for_training else "auto", dtype="bfloat16")
+        self.vocab = len(tok)  # Qwen3's embedding has padded rows past the tokenizer (vLLM issue 13175)
+        self.names = set(self.llm.apply_model(lambda m: [k for k, _ in m.named_parameters()])[0])
+        self.sleeping, self.device = False, "cuda" if torch.cuda.is_available() else "cpu"
+        if for_training:
+            self.sleep()
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
+        from vllm import SamplingParams
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=-1, max_tokens=max_tokens,
+                                 logprobs=0, seed=seed, allowed_token_ids=list(range(self.vocab))) for seed in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
+        return [[Sample(list(c.token_ids), "length" if c.finish_reason == "length" else "stop",
+                        [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]) for c in o.outputs] for o in outs]
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors):
+        """Wake the weights, push every parameter (HF names; vLLM maps them onto its fused qkv and gate_up),
+        wake the KV cache, drop the prefix cache, then check that the weights really arrived."""
+        if self.sleeping:
+            self.llm.wake_up(tags=["weights"])
+        model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        sums = {}
+        for name, tensor in named_tensors:
+            tensor = tensor.to(self.device, torch.bfloat16)
+            model.load_weights([(name, tensor)])
+            if name in self.names:
+                sums[name] = checksum(tensor)
+            del tensor
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+        self.llm.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache()  # KV computed with the old weights must never be reused
+        self.sleeping = False
+        self.self_check(sums)
+
+    def self_check(self, sums):
+        """Read parameters back out of vLLM and compare them with what the trainer sent: the final norm
+        (and an untied lm_head) must have arrived, and the first and last pushed must hold their values."""
+        missing = ({"model.norm.weight", "lm_head.weight"} & self.names) - sums.keys()
+        if missing:
+            raise RuntimeError(f"vLLM weight sync: {sorted(missing)} never pushed (a partial sync)")
+        probe = list(sums)[:1] + list(sums)[-1:]
+        got = self.llm.apply_model(lambda m: [checksum(dict(m.named_parameters())[n]) for n in probe])[0]
+        for name, back in zip(probe, got):
+            if any(abs(x - y) > 1e-3 * max(1.0, abs(x)) for x, y in zip(sums[name], back)):
+                raise RuntimeError(f"vLLM weight sync: {name} reads back {back}, the trainer sent {sums[name]} "
+                                   "(a stale sync)")
+
+    def sleep(self):
+        self.llm.sleep(level=2)
+        self.sleeping = True
+
+
+def checksum(t):
+    t = t.detach().float()
+    return float(t.sum()), float(t.norm())
+
+
 def eos_ids(model_path, tok):
     """The ids that end a response: the generation config's, else the tokenizer's."""
     from transformers import GenerationConfig
@@ -72,7 +142,7 @@ def eos_ids(model_path, tok):
     return sorted(set(eos if isinstance(eos, list) else [eos]))
 
 
-def make_engine(kind, model, device, rank, max_model_len, gpu_memory_utilization):
+def make_engine(kind, model, device, rank, max_model_len, gpu_memory_utilization, for_training=True):
     """--engine auto: vLLM when CUDA and vllm are present, else HF generate."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model)
@@ -83,5 +153,5 @@ def make_engine(kind, model, device, rank, max_model_len, gpu_memory_utilization
         except ImportError:
             kind = "hf"
     if kind == "vllm":
-        return VLLMEngine(model, rank, tok, max_model_len, gpu_memory_utilization)
+        return VLLMEngine(model, rank, tok, max_model_len, gpu_memory_utilization, for_training)
     return HFEngine(model, device, torch.bfloat16 if device.type == "cuda" else torch.float32, eos_ids(model, tok))

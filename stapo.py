@@ -410,6 +410,12 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device):
     # 4. the old policy: log p (and, for S2T, p and H) of every sampled token
     everyone = list(range(len(rows)))
     old_logp, old_ent = no_grad_pass(policy, rows, everyone, valid, args, device)
+    gap = torch.zeros(0, device=device)  # |sampler log-prob - trainer log-prob|: jumps on a broken sync
+    if samples[0].logprobs is not None:
+        sampler = torch.zeros(valid.shape, device=device)
+        for i, s in enumerate(samples):
+            sampler[i, :len(s.tokens)] = torch.tensor(s.logprobs, device=device)
+        gap = (sampler - old_logp)[valid].abs()
     # 5. mini-batch updates
     lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup_steps))
     for group in opt.param_groups:
@@ -453,15 +459,17 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device):
         len(samples), float((rewards > 0).sum()), float((rewards.view(-1, G).std(1) == 0).sum()), valid.sum(),
         old_ent[valid].sum(), rlen.sum(), sum(s.finish_reason == "length" for s in samples), m["kept"],
         m["silenced"], m["candidates"], m["clip_low"], m["clip_high"], sum(len(p) + len(r) for p, r in rows))
-    max_len = torch.tensor(float(rlen.max()))
-    dist.all_reduce(max_len, op=dist.ReduceOp.MAX)
+    gap_n, gap_sum = all_sum(gap.numel(), gap.sum())
+    maxes = torch.tensor([float(rlen.max()), float(gap.max()) if gap.numel() else 0.0])
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     step_s = time.time() - t0
     metrics = {"step": step + 1, "reward_mean": float(all_sum(rewards.sum())[0] / n), "accuracy": ok / n,
                "zero_variance_groups": zero_var / (n / G), "response_len_mean": resp_sum / n,
-               "response_len_max": int(max_len), "truncated": trunc / n, "entropy_mean": ent_sum / max(tok_valid, 1),
+               "response_len_max": int(maxes[0]), "truncated": trunc / n, "entropy_mean": ent_sum / max(tok_valid, 1),
                "silenced_frac": sil / max(tok_valid * 1.0, 1), "candidates": int(cand),
                "tau_h": sum(m["tau_h"]) / len(m["tau_h"]) if m["tau_h"] else None,
                "clip_low": lo / max(kept, 1), "clip_high": hi / max(kept, 1), "grad_norm": m["grad_norm"], "lr": lr,
+               "logprob_gap_mean": gap_sum / gap_n if gap_n else None, "logprob_gap_max": float(maxes[1]) if gap_n else None,
                "rollout_s": t_rollout, "train_s": t_train, "step_s": step_s, "tokens_per_s": total_tokens / step_s}
     return metrics, [(rows[i][1], t, p, h) for i, t, p, h in silenced_log]
 
