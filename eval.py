@@ -10,7 +10,6 @@ reward.score > 0 on the last \\boxed{}: gold conventions (AIME's zero padding, M
 OlympiadBench's unordered multi-answers) live in reward.py, not here.
 """
 import argparse, json, os, time
-from concurrent.futures import ThreadPoolExecutor
 
 # name: (Hub id, split, problem column, answer column, samples per problem)
 BENCHMARKS = {
@@ -82,7 +81,7 @@ def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0
              limit=None, chat_template=True, enable_thinking=False, seed=0):
     """Per-sample records for this rank's share of each benchmark (problem i goes to rank i % world).
     Each benchmark's prompts go to the engine in one call; the answers are checked on parallel threads."""
-    from reward import extract_boxed, score
+    from reward import extract_boxed, score_all
     from stapo import encode_prompt
     records = []
     for name in names:
@@ -93,8 +92,7 @@ def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0
                                progress=rank == 0)
         texts = [tok.decode(s.tokens, skip_special_tokens=True) for out in outs for s in out]
         golds = [p["answer"] for p in problems for _ in range(k)]
-        with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
-            scores = list(pool.map(score, texts, golds))
+        scores = score_all(texts, golds)
         for j, (text, gold, s) in enumerate(zip(texts, golds, scores)):
             sample = outs[j // k][j % k]
             records.append({"benchmark": name, "id": problems[j // k]["id"], "sample": j % k, "completion": text,
@@ -103,21 +101,13 @@ def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0
     return records
 
 
-def gather_records(records, world):
-    if world == 1:
-        return records
-    import torch.distributed as dist
-    parts = [None] * world
-    dist.all_gather_object(parts, records)
-    return [r for part in parts for r in part]
-
-
 def evaluate_during_training(engine, tok, args, rank, world):
     """`stapo.py --eval-every K`: the same evaluation through the trainer's engine; returns eval/<name>."""
-    records = gather_records(evaluate(
+    from stapo import gather
+    records = sum(gather(evaluate(
         engine, tok, args.eval_benchmarks.split(","), args.eval_samples, args.temperature, args.top_p,
         args.max_response_len, rank, world, args.eval_data_dir, None, args.chat_template, args.enable_thinking,
-        args.seed), world)
+        args.seed)), [])
     return {f"eval/{name}": r["avg@k"] for name, r in summarize(records).items()}
 
 
@@ -154,34 +144,29 @@ def main(argv=None):
     if not a.model:
         p.error("--model is required (or --compare OUT_A OUT_B)")
     names = list(BENCHMARKS) if a.benchmarks == "all" else a.benchmarks.split(",")
-    unknown = [n for n in names if n not in BENCHMARKS]
-    if unknown:
-        p.error(f"--benchmarks: unknown {unknown}; choose from {list(BENCHMARKS)}")
-    temperature, top_p = PRESETS[a.preset]
-    temperature = a.temperature if a.temperature is not None else temperature
-    top_p = a.top_p if a.top_p is not None else top_p
+    if any(n not in BENCHMARKS for n in names):
+        p.error(f"--benchmarks: unknown {[n for n in names if n not in BENCHMARKS]}; choose from {list(BENCHMARKS)}")
+    temperature, top_p = (x if x is not None else d for x, d in zip((a.temperature, a.top_p), PRESETS[a.preset]))
     from transformers import AutoTokenizer
     from rollout import make_engine
-    from stapo import init_distributed
+    from stapo import gather, init_distributed
     rank, world, device, _ = init_distributed()
     tok = AutoTokenizer.from_pretrained(a.model)
-    engine = make_engine(a.engine, a.model, device, rank, max_model_len=a.max_tokens + 2048,
+    engine = make_engine(a.engine, a.model, tok, device, rank, max_model_len=a.max_tokens + 2048,
                          gpu_memory_utilization=a.gpu_memory_utilization, for_training=False)
     t0 = time.time()
-    records = gather_records(evaluate(engine, tok, names, a.samples, temperature, top_p, a.max_tokens, rank, world,
-                                      a.data_dir, a.limit, a.chat_template, a.enable_thinking, a.seed), world)
+    records = sum(gather(evaluate(engine, tok, names, a.samples, temperature, top_p, a.max_tokens, rank, world,
+                                  a.data_dir, a.limit, a.chat_template, a.enable_thinking, a.seed)), [])
     seconds = time.time() - t0
     if rank == 0:
         rows = summarize(records)
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "samples.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records)
-        with open(os.path.join(a.out, "summary.md"), "w") as f:
-            f.write(table(rows) + "\n")
-        with open(os.path.join(a.out, "results.json"), "w") as f:
-            json.dump({"model": a.model, "preset": a.preset, "config": vars(a), "table": rows,
-                       "samples_per_s": len(records) / seconds,
-                       "tokens_per_s": sum(r["length"] for r in records) / seconds}, f, indent=1)
+        results = {"model": a.model, "preset": a.preset, "config": vars(a), "table": rows,
+                   "samples_per_s": len(records) / seconds, "tokens_per_s": sum(r["length"] for r in records) / seconds}
+        for name, text in (("samples.jsonl", "".join(json.dumps(r) + "\n" for r in records)),
+                           ("summary.md", table(rows) + "\n"), ("results.json", json.dumps(results, indent=1))):
+            with open(os.path.join(a.out, name), "w") as f:
+                f.write(text)
         print(table(rows))
 
 

@@ -15,20 +15,15 @@ multisets); equations (both sides, or `x = 5` ~ `5` when the left side is a bare
 of one variable become intervals (`x \\ge 2` ~ `[2, \\infty)`, both ways); numbers (exact when both are
 exact; relative tolerance REL_TOL = 1e-4 when either is written as a decimal); else sympy.simplify.
 """
-import atexit, json, math, os, re, select, subprocess, sys, threading, time
+import atexit, json, os, re, select, subprocess, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
 REL_TOL = 1e-4       # for answers written as decimals: 3.14159 ~ 3.1416, but 3.1416 !~ 3.1426
 MAX_LEN, MAX_DEPTH = 1000, 50
 
 
-class Refused(ValueError):
-    """An answer too absurd to check (too long, too deep, too large): simply not equivalent."""
-
-
-# ---------------------------------------------------------------------------------------------------
-# Boxes
-# ---------------------------------------------------------------------------------------------------
+# ---- Boxes -----------------------------------------------------------------------------------------------
 
 def extract_boxed(text):
     """Content of the last \\boxed{...} / \\fbox{...} (braces balanced), or of `\\boxed x`; None if none."""
@@ -41,16 +36,11 @@ def extract_boxed(text):
     if not text.startswith("{", i):
         m = re.match(r"\s+([^\s$]+)", text[i:])
         return m.group(1) if m else None
-    depth, j = 0, i
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
+    body, depth = re.sub(r"\\.", "  ", text[i:]), 0  # an escaped \{ or \} cannot open or close the box
+    for j, c in enumerate(body):
         depth += (c == "{") - (c == "}")
         if depth == 0:
-            return text[i + 1:j].strip()
-        j += 1
+            return text[i + 1:i + j].strip()
     return None
 
 
@@ -60,45 +50,52 @@ def score(completion, gold):
     return 1.0 if box is not None and is_equivalent(box, gold) else -1.0
 
 
-# ---------------------------------------------------------------------------------------------------
-# Normalisation: pure string work
-# ---------------------------------------------------------------------------------------------------
+def score_all(completions, golds):
+    """score() over many completions, on parallel threads (each thread has its own sympy worker)."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        return list(pool.map(score, completions, golds))
+
+
+# ---- Normalisation: pure string work ---------------------------------------------------------------------
 
 _TEXT = r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname)\s*"
 _SUBS = [(r"\\left\b|\\right\b|\\displaystyle|\\bigl|\\bigr|\\big\b", ""), (r"\\[dtc]frac", r"\\frac"),
-         (r",\\!\s*", ","), (r"(?<!\\)\\!", ""), (r"(?<!\\)\\(?:,|;|:| |quad|qquad)|~", " "), (r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree", ""),
-         (r"\\?%|\\\$|\$", ""), (r"(\d)\s*\{,\s*\}\s*(?=\d)", r"\1,"), (r"\\geq?\b|≥", ">="), (r"\\leq?\b|≤", "<="),
-         (r"\\ne(?:q)?\b", "!="), (r"\\dots|\\ldots|\\cdots", "..."), (r"\\in\b", "=")]
+         (r",\\!\s*", ","), (r"(?<!\\)\\!", ""), (r"(?<!\\)\\(?:,|;|:| |quad|qquad)|~", " "),
+         (r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree", ""), (r"\\?%|\\\$|\$", ""), (r"(\d)\s*\{,\s*\}\s*(?=\d)", r"\1,"),
+         (r"\\geq?\b|≥", ">="), (r"\\leq?\b|≤", "<="), (r"\\ne(?:q)?\b", "!="), (r"\\dots|\\ldots|\\cdots", "..."),
+         (r"\\in\b", "=")]
 
 
-def _depth(s):
+def _nesting(s):
+    """(deepest bracket nesting, whether the brackets balance) of s."""
     d = m = 0
-    for c in s:
+    ok = True
+    for c in re.sub(r"\\[{}]", "", s):
         d += (c in "({[") - (c in ")}]")
-        m = max(m, d)
-    return m
+        m, ok = max(m, d), ok and d >= 0
+    return m, ok and d == 0
 
 
 def normalize(s):
-    """A canonical spelling of one final answer (string work only; raises Refused on absurd input)."""
+    """A canonical spelling of one final answer (string work only; raises ValueError on absurd input)."""
     if not isinstance(s, str) or len(s) > MAX_LEN:
-        raise Refused("not a string, or longer than %d characters" % MAX_LEN)
+        raise ValueError("not a string, or longer than %d characters" % MAX_LEN)
     s = s.strip()
     for a, b in [("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")]:
         if len(s) >= len(a) + len(b) and s.startswith(a) and s.endswith(b):
             s = s[len(a):-len(b)].strip()
     if "\\boxed" in s or "\\fbox" in s:
         s = extract_boxed(s) or s
-    if _depth(s) > MAX_DEPTH:
-        raise Refused("nested deeper than %d" % MAX_DEPTH)
+    if _nesting(s)[0] > MAX_DEPTH:
+        raise ValueError("nested deeper than %d" % MAX_DEPTH)
     for pat, rep in _SUBS:
         s = re.sub(pat, rep, s)
     m = re.fullmatch(r"(.*?\d.*?)\s*" + _TEXT + r"\{[^{}]*\}", s)  # a trailing unit: 5\text{ cm}
     s = m.group(1) if m else s
     s = re.sub(_TEXT + r"\{([^{}]*)\}", r"\1", s)  # other text wrappers keep their content
     s = re.sub(r"^(.*\d[)}]?)\s+(?:[a-zA-Z]{2,}\.?(?:\^\d)?\s*)+$", r"\1", s)  # 10 degrees, 4.5 erg
-    s = re.sub(r"(?<![\d.])([1-9]\d{0,2})((?:,\d{3})+)(?!\d)", lambda m: m.group(1) + re.sub(r"\D", "",
-               m.group(2)), s) if re.search(r"\d,\d{3}(?!\d)", s) and not re.search(r"[(\[{]", s) else s
+    if not re.search(r"[(\[{]", s):  # thousands separators (not inside a tuple): 7,425,000
+        s = re.sub(r"(?<![\d.])[1-9]\d{0,2}(?:,\d{3})+(?!\d)", lambda m: m.group().replace(",", ""), s)
     s = re.sub(r"\s+", " ", s).strip().rstrip(".").strip()
     if re.fullmatch(r"-?\d{1,3}(?: \d{3})+(?:\.\d+)?", s):  # 1 000 000
         s = s.replace(" ", "")
@@ -109,9 +106,7 @@ def _canon(s):
     return re.sub(r"[\s{}]", "", s).lower()
 
 
-# ---------------------------------------------------------------------------------------------------
-# Numbers, without sympy
-# ---------------------------------------------------------------------------------------------------
+# ---- Numbers, without sympy ------------------------------------------------------------------------------
 
 _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
 
@@ -123,16 +118,14 @@ def number(s):
     m = re.fullmatch(r"(-?)\\frac\{?(\d+)\}?\{?(\d+)\}?|(-?\d+)/(\d+)", s)
     if m:
         num, den = (m.group(2), m.group(3)) if m.group(2) else (m.group(4), m.group(5))
-        if int(den) == 0:
-            return None
-        return (-1 if m.group(1) else 1) * Fraction(int(num), int(den)), True
+        return ((-1 if m.group(1) else 1) * Fraction(int(num), int(den)), True) if int(den) else None
     m = re.fullmatch(r"(%s)?(?:(?:e|E|\\times|\\cdot|\*)?(?:10\^\{?([-+]?\d+)\}?|(?<=[\d.])[eE]([-+]?\d+)))?"
                      % _NUM, s)
     if not m or not s or (m.group(1) is None and m.group(2) is None):
         return None
     mant, exp = m.group(1), m.group(2) or m.group(3)
     if exp is not None and abs(int(exp)) > 400:
-        raise Refused("exponent too large")
+        raise ValueError("exponent too large")
     value = Fraction(mant or 1) * Fraction(10) ** int(exp or 0)
     return value, exp is None and "." not in (mant or "")
 
@@ -141,9 +134,7 @@ def _close(x, y):
     return x == y or abs(x - y) <= REL_TOL * max(abs(x), abs(y))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Structures and the comparison
-# ---------------------------------------------------------------------------------------------------
+# ---- Structures and the comparison -----------------------------------------------------------------------
 
 def _split_top(s, seps):
     """Split s at any of seps that stands outside every bracket."""
@@ -165,19 +156,7 @@ def _split_top(s, seps):
 
 def _wraps(s, open_, close):
     """Does the bracket opening at s[0] close exactly at the end of s?"""
-    if not (s.startswith(open_) and s.endswith(close)):
-        return False
-    inner = s[len(open_):len(s) - len(close)]
-    return _depth_ok(inner)
-
-
-def _depth_ok(s):
-    d = 0
-    for c in re.sub(r"\\[{}]", "", s):
-        d += (c in "({[") - (c in ")}]")
-        if d < 0:
-            return False
-    return d == 0
+    return s.startswith(open_) and s.endswith(close) and _nesting(s[len(open_):len(s) - len(close)])[1]
 
 
 _INEQ = re.compile(r"^(?:([^<>=]+?)(<=?)\s*)?([a-zA-Z])\s*(<=?|>=?)\s*([^<>=]+)$")
@@ -193,7 +172,7 @@ def structure(s):
     for open_, close in (("\\{", "\\}"), ("{", "}")):
         if _wraps(s, open_, close) and (open_ == "\\{" or "," in s):
             return "set", _split_top(s[len(open_):-len(close)], [","])
-    if s[:1] in "([" and s[-1:] in ")]" and _depth_ok(s[1:-1]) and len(_split_top(s[1:-1], [","])) > 1:
+    if s[:1] in "([" and s[-1:] in ")]" and _nesting(s[1:-1])[1] and len(_split_top(s[1:-1], [","])) > 1:
         return s[0] + s[-1], _split_top(s[1:-1], [","])
     for kind, seps in (("list", [","]), ("list", ["\\cup", " or ", " and "])):
         parts = _split_top(s, seps)
@@ -215,7 +194,7 @@ def is_equivalent(pred, gold, timeout=5.0):
     """Are two final answers (LaTeX, maybe in $..$, \\(..\\), \\[..\\]) mathematically the same?"""
     try:
         return _equal(normalize(pred), normalize(gold), time.monotonic() + timeout)
-    except Exception:  # Refused, parse errors, timeouts: not equivalent
+    except Exception:  # absurd input, parse errors, timeouts: not equivalent
         return False
 
 
@@ -267,9 +246,7 @@ def _atom_equal(a, b, deadline):
     return _ask_worker(a, b, deadline)
 
 
-# ---------------------------------------------------------------------------------------------------
-# The sympy side: a whitelist parser, run only inside the worker process
-# ---------------------------------------------------------------------------------------------------
+# ---- The sympy side: a whitelist parser, run only inside the worker process ------------------------------
 
 _TOKEN = re.compile(r"\s*(\d+\.?\d*|\.\d+|\\[a-zA-Z]+|\\[{}|]|[a-zA-Z]|\S)")
 _FUNCS = ("sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln exp").split()
@@ -295,6 +272,12 @@ class _Parser:
             raise ValueError("expected %r, got %r" % (expect, t))
         self.i += 1
         return t
+
+    def accept(self, t):
+        """Take the next token if it is t."""
+        found = self.peek() == t
+        self.i += found
+        return found
 
     def parse(self):
         e = self.expr()
@@ -328,30 +311,26 @@ class _Parser:
 
     def power(self):
         base = self.atom()
-        while self.peek() == "!":
-            self.take()
+        while self.accept("!"):
             if not (base.is_Integer and 0 <= base <= 1000):
-                raise Refused("factorial of %s" % base)
+                raise ValueError("factorial of %s" % base)
             base = self.sp.factorial(base)
-        if self.peek() != "^":
+        if not self.accept("^"):
             return base
-        self.take()
         exp = self.arg()
         if base.is_number and exp.is_number and abs(exp) > 1000 and abs(base) not in (0, 1):
-            raise Refused("power too large")  # 9^{9^{9^9}} stops here
+            raise ValueError("power too large")  # 9^{9^{9^9}} stops here
         return base ** exp
 
     def arg(self):
         """A braced group, or a single token: \\frac12, x^2, \\sqrt2, x^-1."""
-        t = self.peek()
-        if t == "{":
-            self.take()
+        if self.accept("{"):
             e = self.expr()
             self.take("}")
             return e
-        if t == "-":
-            self.take()
+        if self.accept("-"):
             return -self.arg()
+        t = self.peek()
         if t is not None and t[0].isdigit() and len(t) > 1:
             self.toks[self.i] = t[1:]
             return self.sp.Integer(int(t[0]))
@@ -362,12 +341,8 @@ class _Parser:
         if t[0].isdigit() or t[0] == ".":
             return sp.Float(t) if "." in t else sp.Integer(int(t))
         if t.isalpha() and len(t) == 1:
-            if self.peek() == "_":
-                self.take()
-                sub = self.take() if self.peek() != "{" else "".join(self._braced())
-                if not sub.isalnum():
-                    raise ValueError("subscript")
-                return sp.Symbol("%s_%s" % (t, sub))
+            if self.accept("_"):  # x_1, x_{n}: one symbol named after its subscript
+                return sp.Symbol("%s_%s" % (t, self.arg()))
             return {"e": sp.E, "i": sp.I}.get(t) or sp.Symbol(t)
         if t in ("(", "[", "{", "|"):
             e = self.expr()
@@ -378,11 +353,10 @@ class _Parser:
         if t == "\\binom":
             n, k = self.arg(), self.arg()
             if not (n.is_Integer and abs(n) <= 10000):
-                raise Refused("binomial")
+                raise ValueError("binomial")
             return sp.binomial(n, k)
         if t == "\\sqrt":
-            if self.peek() == "[":
-                self.take()
+            if self.accept("["):
                 n = self.expr()
                 self.take("]")
                 return sp.root(self.arg(), n)
@@ -395,22 +369,10 @@ class _Parser:
             return self._function(t[1:])
         raise ValueError("unknown token %r" % t)
 
-    def _braced(self):
-        self.take("{")
-        out = []
-        while self.peek() != "}":
-            out.append(self.take())
-        self.take("}")
-        return out
-
     def _function(self, name):
-        sp, base, power = self.sp, None, None
-        if name == "log" and self.peek() == "_":
-            self.take()
-            base = self.arg()
-        if self.peek() == "^":
-            self.take()
-            power = self.arg()
+        sp = self.sp
+        base = self.arg() if name == "log" and self.accept("_") else None
+        power = self.arg() if self.accept("^") else None
         x = self.power() if self.peek() != "(" else self.atom()
         f = {"ln": sp.log, "arcsin": sp.asin, "arccos": sp.acos, "arctan": sp.atan}.get(name) or getattr(sp, name)
         y = sp.log(x, base) if base is not None else f(x)
@@ -420,24 +382,17 @@ class _Parser:
 def _sym_equal(a, b):
     import sympy as sp
     x, y = _Parser(a).parse(), _Parser(b).parse()
-    if x == y:
+    if x == y or sp.simplify(x - y) == 0:
         return True
-    if x.has(sp.Float) or y.has(sp.Float):
-        if x.free_symbols or y.free_symbols:
-            return sp.simplify(x - y) == 0
-        vx, vy = complex(sp.N(x)), complex(sp.N(y))
-        return _close(vx.real, vy.real) and _close(vx.imag, vy.imag)
-    d = sp.simplify(x - y)
-    if d == 0:
-        return True
-    if d.free_symbols or not d.is_finite:
+    if x.free_symbols or y.free_symbols:
         return False
-    return abs(complex(sp.N(d, 50))) < 1e-12 * max(1.0, abs(complex(sp.N(x, 50))))
+    vx, vy = complex(sp.N(x, 50)), complex(sp.N(y, 50))  # numbers simplify could not settle
+    if x.has(sp.Float) or y.has(sp.Float):  # written as decimals: the relative tolerance
+        return _close(vx.real, vy.real) and _close(vx.imag, vy.imag)
+    return abs(vx - vy) < 1e-12 * max(1.0, abs(vx))
 
 
-# ---------------------------------------------------------------------------------------------------
-# The worker: one process per calling thread, JSON lines on pipes, killed on timeout
-# ---------------------------------------------------------------------------------------------------
+# ---- The worker: one process per calling thread, JSON lines on pipes, killed on timeout ------------------
 
 _local, _workers = threading.local(), []
 
@@ -479,5 +434,4 @@ def _ask_worker(a, b, deadline):
 @atexit.register
 def _stop_workers():
     for w in _workers:
-        if w.poll() is None:
-            w.kill()
+        w.kill()  # a no-op for one that has already ended

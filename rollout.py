@@ -10,6 +10,7 @@ HFEngine is `transformers.generate` (CPU, tests, small GPU runs); VLLMEngine is 
 Each prompt's samples come from its own seed, so a rollout does not depend on how prompts are split
 across ranks or batched.
 """
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +26,12 @@ class Sample:
 class HFEngine:
     """Sampling with HF `generate`, one prompt's group per call, on a private copy of the model."""
 
-    def __init__(self, model_path, device, dtype, eos_ids):
+    def __init__(self, model_path, device, dtype, eos_token_id):
         from transformers import AutoModelForCausalLM
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-        self.eos, self.device = set(eos_ids), device
+        eos = self.model.generation_config.eos_token_id  # may list several (Qwen3: <|im_end|>, <|endoftext|>)
+        self.eos = {eos_token_id} | set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.device = device
 
     @torch.no_grad()
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
@@ -46,10 +49,8 @@ class HFEngine:
         return out
 
     def _sample(self, tokens):
-        stop = next((i for i, t in enumerate(tokens) if t in self.eos), None)
-        if stop is None:
-            return Sample(tokens, "length")
-        return Sample(tokens[:stop + 1], "stop")
+        stop = next((i + 1 for i, t in enumerate(tokens) if t in self.eos), None)
+        return Sample(tokens[:stop], "stop") if stop else Sample(tokens, "length")
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
@@ -101,8 +102,7 @@ class VLLMEngine:
             if name in self.names:
                 sums[name] = checksum(tensor)
             del tensor
-        if self.device == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op without CUDA
         self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # KV computed with the old weights must never be reused
         self.sleeping = False
@@ -131,27 +131,10 @@ def checksum(t):
     return float(t.sum()), float(t.norm())
 
 
-def eos_ids(model_path, tok):
-    """The ids that end a response: the generation config's, else the tokenizer's."""
-    from transformers import GenerationConfig
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:
-        eos = None
-    eos = eos if eos is not None else tok.eos_token_id
-    return sorted(set(eos if isinstance(eos, list) else [eos]))
-
-
-def make_engine(kind, model, device, rank, max_model_len, gpu_memory_utilization, for_training=True):
+def make_engine(kind, model, tok, device, rank, max_model_len, gpu_memory_utilization, for_training=True):
     """--engine auto: vLLM when CUDA and vllm are present, else HF generate."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model)
     if kind == "auto":
-        try:
-            import vllm  # noqa: F401
-            kind = "vllm" if device.type == "cuda" else "hf"
-        except ImportError:
-            kind = "hf"
+        kind = "vllm" if device.type == "cuda" and importlib.util.find_spec("vllm") else "hf"
     if kind == "vllm":
         return VLLMEngine(model, rank, tok, max_model_len, gpu_memory_utilization, for_training)
-    return HFEngine(model, device, torch.bfloat16 if device.type == "cuda" else torch.float32, eos_ids(model, tok))
+    return HFEngine(model, device, torch.bfloat16 if device.type == "cuda" else torch.float32, tok.eos_token_id)

@@ -12,9 +12,7 @@ no entropy bonus) plus the S2T mask, which silences the rare "spurious" tokens: 
 import torch
 
 
-# ----------------------------------------------------------------------------------------------------
-# The algorithm: pure functions, torch only.
-# ----------------------------------------------------------------------------------------------------
+# ==== The algorithm: pure functions, torch only ========================================================
 
 def group_advantages(rewards, group_size, eps=1e-6):
     """GRPO advantages (paper: group-normalised advantage A_i = (r_i - mean(r)) / (std(r) + eps)).
@@ -109,8 +107,7 @@ class _ChunkedHead(torch.autograd.Function):
             j = slice(i, i + ctx.chunk_size)
             z = (hidden[j] @ weight.T).float().div_(ctx.temperature)
             g = z.sub_(logz[j, None]).exp_().mul_(-grad_logp[j, None])  # -g * softmax(z)
-            g.scatter_add_(-1, tokens[j, None], grad_logp[j, None]).div_(ctx.temperature)
-            g = g.to(weight.dtype)
+            g = g.scatter_add_(-1, tokens[j, None], grad_logp[j, None]).div_(ctx.temperature).to(weight.dtype)
             grad_h[j] = g @ weight
             grad_w.addmm_(g.T, hidden[j])
         return grad_h, grad_w, None, None, None
@@ -127,10 +124,8 @@ def token_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, chunk_si
     return _ChunkedHead.apply(hidden, weight, tokens, float(temperature), chunk_size)
 
 
-# ----------------------------------------------------------------------------------------------------
-# The trainer: torchrun stapo.py --model ... (also one CPU process, or several under gloo)
-# ----------------------------------------------------------------------------------------------------
-import argparse, json, math, os, random, shutil, socket, time  # noqa: E402
+# ==== The trainer: torchrun stapo.py --model ... (also one CPU process, or several under gloo) ==========
+import argparse, json, os, random, shutil, socket, time  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -144,43 +139,26 @@ DAPO_PREFIX = ("Solve the following math problem step by step. The last line of 
 DAPO_SUFFIX = "\n\nRemember to put your answer on its own line after \"Answer:\"."
 
 
+# Every setting is a flag (--prompts-per-step 256 ...); the defaults are the paper's: JustRL's recipe + S2T.
+CONFIG = dict(
+    model="Qwen/Qwen3-8B", dataset="BytedTsinghua-SIA/DAPO-Math-17k", out="runs/stapo", method="stapo",
+    steps=1000, prompts_per_step=256, group_size=8, minibatches=4, micro_tokens=16384,       # batch shape
+    max_prompt_len=1024, max_response_len=15360, temperature=1.0, top_p=1.0,                  # rollout
+    lr=1e-6, warmup_steps=10, weight_decay=0.1, grad_clip=1.0,                                 # AdamW
+    eps_low=0.2, eps_high=0.28, clip_c=10.0,                                                   # clip-higher, dual clip
+    tau_p=0.002, q=0.75,                                                                       # S2T
+    engine="auto", gpu_memory_utilization=0.6, save_every=50, seed=0,
+    eval_every=0, eval_benchmarks="aime24,math500", eval_samples=4, eval_data_dir="")
+CHOICES = {"method": ["stapo", "justrl", "grpo", "entropy20"], "engine": ["auto", "vllm", "hf"]}
+
+
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="STAPO trainer. Defaults are the paper's (JustRL + S2T).")
-    a = p.add_argument
-    a("--model", default="Qwen/Qwen3-8B", help="HF Hub id or local path")
-    a("--dataset", default="BytedTsinghua-SIA/DAPO-Math-17k", help="Hub id, or a local .jsonl/.parquet")
-    a("--out", default="runs/stapo")
-    a("--method", default="stapo", choices=["stapo", "justrl", "grpo", "entropy20"])
-    a("--steps", type=int, default=1000)
-    a("--prompts-per-step", type=int, default=256)
-    a("--group-size", type=int, default=8)
-    a("--minibatches", type=int, default=4, help="optimizer updates per step")
-    a("--micro-tokens", type=int, default=16384, help="token budget of one forward/backward")
-    a("--max-prompt-len", type=int, default=1024)
-    a("--max-response-len", type=int, default=15360)
-    a("--temperature", type=float, default=1.0)
-    a("--top-p", type=float, default=1.0)
-    a("--lr", type=float, default=1e-6)
-    a("--warmup-steps", type=int, default=10)
-    a("--weight-decay", type=float, default=0.1)
-    a("--grad-clip", type=float, default=1.0)
-    a("--eps-low", type=float, default=0.2)
-    a("--eps-high", type=float, default=0.28)
-    a("--clip-c", type=float, default=10.0, help="dual-clip constant for A < 0")
-    a("--tau-p", type=float, default=0.002, help="S2T: probability threshold")
-    a("--q", type=float, default=0.75, help="S2T: entropy quantile over the candidates")
-    a("--no-chat-template", dest="chat_template", action="store_false")
-    a("--enable-thinking", action="store_true", help="passed to the chat template (Qwen3's hybrid thinking)")
-    a("--engine", default="auto", choices=["auto", "vllm", "hf"])
-    a("--gpu-memory-utilization", type=float, default=0.3)
-    a("--save-every", type=int, default=50)
-    a("--resume", action="store_true")
-    a("--log-silenced", action="store_true")
-    a("--eval-every", type=int, default=0)
-    a("--eval-benchmarks", default="aime24,math500")
-    a("--eval-samples", type=int, default=4)
-    a("--eval-data-dir", help="benchmark .jsonl files for --eval-every (default: the Hub)")
-    a("--seed", type=int, default=0)
+    p = argparse.ArgumentParser(description="STAPO trainer. The defaults are the paper's (README: Settings).")
+    for key, default in CONFIG.items():
+        p.add_argument("--" + key.replace("_", "-"), type=type(default), default=default, choices=CHOICES.get(key))
+    for flag in ("--resume", "--log-silenced", "--enable-thinking"):
+        p.add_argument(flag, action="store_true")
+    p.add_argument("--no-chat-template", dest="chat_template", action="store_false")
     return p.parse_args(argv)
 
 
@@ -207,16 +185,16 @@ def all_sum(*xs):
     return t.tolist()
 
 
+def gather(obj):
+    """Every rank's obj, in rank order."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
 def gather_cat(x):
-    """Concatenate a 1-D float tensor of any length from every rank."""
-    n = torch.tensor([x.numel()])
-    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, n)
-    buf = torch.full((int(max(sizes)),), float("nan"))
-    buf[:x.numel()] = x.float().cpu()
-    parts = [torch.empty_like(buf) for _ in sizes]
-    dist.all_gather(parts, buf)
-    return torch.cat([p[:int(k)] for p, k in zip(parts, sizes)])
+    """Concatenate a 1-D tensor of any length from every rank."""
+    return torch.cat(gather(x.float().cpu()))
 
 
 # ---- data ---------------------------------------------------------------------------------------------
@@ -374,10 +352,9 @@ def no_grad_pass(policy, rows, idx, valid, args, device):
 
 def token_weights(method, logp, ent, adv, valid, args):
     """Per-token weights `keep` and their global denominator for each objective the paper compares."""
-    stats = {}
+    keep, stats = valid, {}  # justrl: every response token
     if method == "grpo":  # token mean per sequence, then mean over sequences
-        keep = valid / valid.sum(1, keepdim=True).clamp(min=1)
-        return keep, all_sum(len(valid))[0], stats
+        return valid / valid.sum(1, keepdim=True).clamp(min=1), all_sum(len(valid))[0], stats
     if method == "entropy20":  # the top 20% entropy tokens of the mini-batch (all ranks)
         keep = valid & (ent >= torch.quantile(gather_cat(ent[valid]), 0.8).to(ent.device))
     elif method == "stapo":  # S2T, with one tau_h over the mini-batch's candidates on all ranks
@@ -387,91 +364,87 @@ def token_weights(method, logp, ent, adv, valid, args):
         silenced = s2t_mask(logp, ent, adv, valid, args.tau_p, args.q, tau_h) if len(pooled) else torch.zeros_like(valid)
         keep = valid & ~silenced
         stats = {"silenced": silenced, "candidates": len(pooled), "tau_h": tau_h}
-    else:  # justrl
-        keep = valid
     return keep, all_sum(keep.sum())[0], stats
 
 
 def train_step(step, policy, opt, engine, tok, prompts, args, device):
-    from reward import score
-    world, t0, G = dist.get_world_size(), time.time(), args.group_size
+    """One step of the paper's loop on this rank's prompts. Returns (metrics, silenced-token records)."""
+    from reward import score_all
+    t0, G = time.time(), args.group_size
     # 1-3. rollout, reward, group advantages
     groups = engine.generate([p for _, p, _ in prompts], G, args.temperature, args.top_p, args.max_response_len,
                              seeds=[args.seed * 1_000_003 + step * 100_003 + g for g, _, _ in prompts])
     engine.sleep()
     samples = [s for grp in groups for s in grp]
     rows = [(p, s.tokens) for (_, p, _), grp in zip(prompts, groups) for s in grp]
-    texts = tok.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
-    rewards = torch.tensor([score(t, prompts[i // G][2]) for i, t in enumerate(texts)])
+    rewards = torch.tensor(score_all(tok.batch_decode([s.tokens for s in samples], skip_special_tokens=True),
+                                     [a for _, _, a in prompts for _ in range(G)]))
     adv = group_advantages(rewards, G).to(device)
     rlen = torch.tensor([len(s.tokens) for s in samples])
     valid = (torch.arange(max(1, int(rlen.max()))) < rlen[:, None]).to(device)
     t_rollout = time.time() - t0
-    # 4. the old policy: log p (and, for S2T, p and H) of every sampled token
+    # 4. the old policy: log p of every sampled token, and p and H for the first mini-batch's S2T
     everyone = list(range(len(rows)))
     old_logp, old_ent = no_grad_pass(policy, rows, everyone, valid, args, device)
-    gap = torch.zeros(0, device=device)  # |sampler log-prob - trainer log-prob|: jumps on a broken sync
+    gap = torch.zeros(0, device=device)  # |sampler log p - trainer log p|: it jumps when a sync breaks
     if samples[0].logprobs is not None:
-        sampler = torch.zeros(valid.shape, device=device)
-        for i, s in enumerate(samples):
-            sampler[i, :len(s.tokens)] = torch.tensor(s.logprobs, device=device)
-        gap = (sampler - old_logp)[valid].abs()
+        gap = (torch.tensor([x for s in samples for x in s.logprobs], device=device) - old_logp[valid]).abs()
+    acc = {"samples": len(samples), "correct": (rewards > 0).sum(), "tokens": sum(len(p) + len(r) for p, r in rows),
+           "flat_groups": (rewards.view(-1, G).std(1) == 0).sum(), "valid": valid.sum(), "length": rlen.sum(),
+           "entropy": old_ent[valid].sum(), "truncated": sum(s.finish_reason == "length" for s in samples),
+           "gap_n": gap.numel(), "gap": gap.sum(), "silenced": 0, "candidates": 0, "kept": 0, "clip_low": 0,
+           "clip_high": 0}
     # 5. mini-batch updates
     lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup_steps))
     for group in opt.param_groups:
         group["lr"] = lr
-    per = len(rows) // args.minibatches
-    m = dict.fromkeys(["silenced", "candidates", "clip_low", "clip_high", "kept", "grad_norm"], 0.0)
-    m["tau_h"], silenced_log = [], []
+    eps_high, clip_c = (args.eps_low, None) if args.method == "grpo" else (args.eps_high, args.clip_c)
+    per, tau_hs, grad_norms, silenced_log = len(rows) // args.minibatches, [], [], []
     for b in range(args.minibatches):
         idx = everyone[b * per:(b + 1) * per]
         logp, ent = (old_logp[idx], old_ent[idx]) if b == 0 else no_grad_pass(policy, rows, idx, valid, args, device)
         keep, denom, st = token_weights(args.method, logp, ent, adv[idx], valid[idx], args)
+        if st:
+            acc["silenced"] += st["silenced"].sum()
+            acc["candidates"] += st["candidates"]
+            tau_hs += [st["tau_h"]] if st["tau_h"] is not None else []
+            silenced_log += [{"step": step + 1, "token": tok.decode(r[t:t + 1]), "p": logp[i, t].exp().item(),
+                              "H": ent[i, t].item(), "left": tok.decode(r[:t])[-40:], "right": tok.decode(r[t + 1:])[:40]}
+                             for i, t in st["silenced"].nonzero().tolist() for r in [rows[idx[i]][1]]
+                             if args.log_silenced]
         keep_all = torch.zeros(valid.shape, dtype=keep.dtype, device=device)
         keep_all[idx] = keep
-        if st:
-            m["silenced"] += float(st["silenced"].sum())
-            m["candidates"] += st["candidates"]
-            m["tau_h"] += [st["tau_h"]] if st["tau_h"] is not None else []
-            silenced_log += [(idx[i], t, logp[i, t].exp().item(), ent[i, t].item())
-                             for i, t in st["silenced"].nonzero().tolist()] if args.log_silenced else []
         mbs = micro_batches(rows, idx, args.micro_tokens)
         for k, mb in enumerate(mbs):
+            sel = mb or idx[:1]  # an empty micro-batch runs one sample at zero weight
             policy.set_requires_gradient_sync(k == len(mbs) - 1)
-            logp_mb, _ = forward(policy, rows, mb or idx[:1], valid, args.temperature, device)
-            sel = mb or idx[:1]
-            loss, st = stapo_loss(logp_mb, old_logp[sel], adv[sel], keep_all[sel] * (mb is not None), denom,
-                                  args.eps_low, args.eps_high if args.method != "grpo" else args.eps_low,
-                                  args.clip_c if args.method != "grpo" else None)
-            (loss * world).backward()  # FSDP averages gradients over ranks; the loss is already a global mean
-            for key in ("clip_low", "clip_high"):
-                m[key] += st[key] * st["kept"]
-            m["kept"] += st["kept"]
-        m["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip).full_tensor()) \
-            / args.minibatches
+            logp_mb, _ = forward(policy, rows, sel, valid, args.temperature, device)
+            loss, st = stapo_loss(logp_mb, old_logp[sel], adv[sel], keep_all[sel] * bool(mb), denom, args.eps_low,
+                                  eps_high, clip_c)
+            (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is already global
+            acc["kept"] += st["kept"]
+            acc["clip_low"] += st["clip_low"] * st["kept"]
+            acc["clip_high"] += st["clip_high"] * st["kept"]
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip).full_tensor()))
         opt.step()
         opt.zero_grad(set_to_none=True)
-    # 6. sync the engine
     t_train = time.time() - t0 - t_rollout
+    # 6. sync the engine
     engine.load_weights(full_params(policy))
-    # metrics, summed over ranks
-    n, ok, zero_var, tok_valid, ent_sum, resp_sum, trunc, kept, sil, cand, lo, hi, total_tokens = all_sum(
-        len(samples), float((rewards > 0).sum()), float((rewards.view(-1, G).std(1) == 0).sum()), valid.sum(),
-        old_ent[valid].sum(), rlen.sum(), sum(s.finish_reason == "length" for s in samples), m["kept"],
-        m["silenced"], m["candidates"], m["clip_low"], m["clip_high"], sum(len(p) + len(r) for p, r in rows))
-    gap_n, gap_sum = all_sum(gap.numel(), gap.sum())
+    n = dict(zip(acc, all_sum(*acc.values())))  # summed over ranks
     maxes = torch.tensor([float(rlen.max()), float(gap.max()) if gap.numel() else 0.0])
     dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     step_s = time.time() - t0
-    metrics = {"step": step + 1, "reward_mean": float(all_sum(rewards.sum())[0] / n), "accuracy": ok / n,
-               "zero_variance_groups": zero_var / (n / G), "response_len_mean": resp_sum / n,
-               "response_len_max": int(maxes[0]), "truncated": trunc / n, "entropy_mean": ent_sum / max(tok_valid, 1),
-               "silenced_frac": sil / max(tok_valid * 1.0, 1), "candidates": int(cand),
-               "tau_h": sum(m["tau_h"]) / len(m["tau_h"]) if m["tau_h"] else None,
-               "clip_low": lo / max(kept, 1), "clip_high": hi / max(kept, 1), "grad_norm": m["grad_norm"], "lr": lr,
-               "logprob_gap_mean": gap_sum / gap_n if gap_n else None, "logprob_gap_max": float(maxes[1]) if gap_n else None,
-               "rollout_s": t_rollout, "train_s": t_train, "step_s": step_s, "tokens_per_s": total_tokens / step_s}
-    return metrics, [(rows[i][1], t, p, h) for i, t, p, h in silenced_log]
+    return {"step": step + 1, "reward_mean": float(all_sum(rewards.sum())[0]) / n["samples"],
+            "accuracy": n["correct"] / n["samples"], "zero_variance_groups": n["flat_groups"] * G / n["samples"],
+            "response_len_mean": n["length"] / n["samples"], "response_len_max": int(maxes[0]),
+            "truncated": n["truncated"] / n["samples"], "entropy_mean": n["entropy"] / max(n["valid"], 1),
+            "silenced_frac": n["silenced"] / max(n["valid"], 1), "candidates": int(n["candidates"]),
+            "tau_h": sum(tau_hs) / len(tau_hs) if tau_hs else None, "clip_low": n["clip_low"] / max(n["kept"], 1),
+            "clip_high": n["clip_high"] / max(n["kept"], 1), "grad_norm": sum(grad_norms) / len(grad_norms), "lr": lr,
+            "logprob_gap_mean": n["gap"] / n["gap_n"] if n["gap_n"] else None,
+            "logprob_gap_max": float(maxes[1]) if n["gap_n"] else None, "rollout_s": t_rollout, "train_s": t_train,
+            "step_s": step_s, "tokens_per_s": n["tokens"] / step_s}, silenced_log
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------
@@ -542,7 +515,7 @@ def train(args):
     policy = build_policy(args.model, mesh, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     start = load_checkpoint(policy, opt, args, rank) if args.resume else 0
-    engine = make_engine(args.engine, args.model, device, rank, args.max_prompt_len + args.max_response_len,
+    engine = make_engine(args.engine, args.model, tok, device, rank, args.max_prompt_len + args.max_response_len,
                          args.gpu_memory_utilization)
     engine.load_weights(full_params(policy))  # vLLM starts from dummy weights; after --resume, the loaded ones
     if rank == 0:
@@ -555,20 +528,16 @@ def train(args):
         if args.eval_every and (step + 1) % args.eval_every == 0:
             from eval import evaluate_during_training
             metrics.update(evaluate_during_training(engine, tok, args, rank, world))
-        silenced_all = [None] * world
-        dist.all_gather_object(silenced_all, [(tok.decode(r[:t])[-40:], tok.decode([r[t]]), tok.decode(r[t + 1:])[:40],
-                                               p, h) for r, t, p, h in silenced])
+        silenced = sum(gather(silenced), [])
         if rank == 0:
             with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(metrics) + "\n")
+            if silenced:
+                with open(os.path.join(args.out, "silenced.jsonl"), "a") as f:
+                    f.writelines(json.dumps(x) + "\n" for x in silenced)
             tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
                                 if k in ("step", "reward_mean", "accuracy", "silenced_frac", "response_len_mean",
                                          "entropy_mean", "grad_norm", "step_s")))
-            if args.log_silenced:
-                with open(os.path.join(args.out, "silenced.jsonl"), "a") as f:
-                    for left, token, right, p, h in (x for part in silenced_all for x in part):
-                        f.write(json.dumps({"step": step + 1, "token": token, "p": p, "H": h, "left": left,
-                                            "right": right}) + "\n")
         if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(step + 1, policy, opt, tok, args, rank)
     save_hf(policy, tok, os.path.join(args.out, "model"), rank)

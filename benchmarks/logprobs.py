@@ -84,7 +84,7 @@ def main():
     n, c = res["naive"], res["chunked"]
     print(f"{a.batch} x {a.seq} tokens, vocab {a.vocab}, hidden {a.hidden}, chunk {a.chunk}, "
           f"{n['device']} {n['dtype']}, forward+backward")
-    print(f"| method  | time (s) | peak memory above inputs (GiB) |\n|---|---|---|")
+    print("| method  | time (s) | peak memory above inputs (GiB) |\n|---|---|---|")
     for k in ("naive", "chunked"):
         print(f"| {k:7} | {res[k]['seconds']:.3f} | {res[k]['peak_gb']:.2f} |")
     print(f"chunked/naive: time {c['seconds'] / n['seconds']:.2f}x, memory {c['peak_gb'] / n['peak_gb']:.3f}x")

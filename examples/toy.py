@@ -82,7 +82,7 @@ def warm_start(model, tok, rows, steps=200, lr=3e-3):
 
 
 def greedy_accuracy(model_path, tok, rows):
-    engine = HFEngine(model_path, torch.device("cpu"), torch.float32, [tok.eos_token_id])
+    engine = HFEngine(model_path, torch.device("cpu"), torch.float32, tok.eos_token_id)
     outs = engine.generate([stapo.encode_prompt(tok, r["problem"]) for r in rows], 1, 0.0, 1.0, 8, [0] * len(rows))
     from reward import score
     return sum(score(tok.decode(o[0].tokens), r["answer"]) > 0 for o, r in zip(outs, rows)) / len(rows)

@@ -101,17 +101,17 @@ def test_score():
 def test_hostile_payloads_never_run(tmp_path):
     marker = tmp_path / "pwned"
     for payload in [f"__import__('os').system('touch {marker}')",
-                    f"().__class__.__bases__[0].__subclasses__()",
+                    "().__class__.__bases__[0].__subclasses__()",
                     f"exec(\"open('{marker}','w')\")", f"eval('open(\"{marker}\",\"w\")')",
                     f"\\text{{__import__('os').system('touch {marker}')}}", f"x; import os; os.system('touch {marker}')",
-                    f"Symbol('x').__class__", "lambda: 1"]:
+                    "Symbol('x').__class__", "lambda: 1"]:
         assert score(f"\\boxed{{{payload}}}", "1") == -1.0
         assert not is_equivalent(payload, payload + "1")
     assert not marker.exists()
 
 
 @pytest.mark.parametrize("absurd", ["9^{9^{9^{9}}}", "{" * 10000 + "1" + "}" * 10000, "1" * 100000,
-                                    "(" * 5000 + ")" * 5000, "10^{10^{10}}", "1000!", "99999!",
+                                    "(" * 5000 + ")" * 5000, "(" * 10000 + "1", "10^{10^{10}}", "1000!", "99999!",
                                     "\\binom{10^{9}}{5}", "2^{2^{2^{2^{2^{2}}}}}", "1e999999"])
 def test_absurd_inputs_are_refused_quickly(absurd):
     t0 = time.monotonic()

@@ -13,8 +13,6 @@ from rollout import Sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(ROOT, "..", "shared", "data")
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import toy  # noqa: E402  (the tiny-model fixture, `tiny`, is in conftest.py)
 
 
 def args_for(tiny_dir, out, *extra):
