@@ -15,7 +15,7 @@ multisets); equations (both sides, or `x = 5` ~ `5` when the left side is a bare
 of one variable become intervals (`x \\ge 2` ~ `[2, \\infty)`, both ways); numbers (exact when both are
 exact; relative tolerance REL_TOL = 1e-4 when either is written as a decimal); else sympy.simplify.
 """
-import atexit, json, os, re, select, subprocess, sys, threading, time
+import json, os, re, select, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
@@ -51,9 +51,10 @@ def score(completion, gold):
 
 
 def score_all(completions, golds):
-    """score() over many completions, on parallel threads (each thread has its own sympy worker)."""
-    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
-        return list(pool.map(score, completions, golds))
+    """score() over many completions, on a lasting pool of threads, each with its own sympy worker."""
+    global _pool
+    _pool = _pool or ThreadPoolExecutor(max_workers=os.cpu_count())
+    return list(_pool.map(score, completions, golds))
 
 
 # ---- Normalisation: pure string work ---------------------------------------------------------------------
@@ -394,7 +395,7 @@ def _sym_equal(a, b):
 
 # ---- The worker: one process per calling thread, JSON lines on pipes, killed on timeout ------------------
 
-_local, _workers = threading.local(), []
+_local, _pool = threading.local(), None
 
 
 def _serve():
@@ -410,28 +411,29 @@ def _serve():
         print("true" if ok else "false", flush=True)
 
 
+class _Worker:
+    """A sympy process serving one thread; it dies with the thread (or when a check times out)."""
+
+    def __init__(self):
+        here = os.path.dirname(os.path.abspath(__file__))
+        self.proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, %r); import reward; "
+                                      "reward._serve()" % here], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("reward worker failed to start")
+
+    def __del__(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
 def _ask_worker(a, b, deadline):
     w = getattr(_local, "worker", None)
-    if w is None or w.poll() is not None:
-        here = os.path.dirname(os.path.abspath(__file__))
-        w = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, %r); import reward; "
-                              "reward._serve()" % here], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True, bufsize=1)
-        if w.stdout.readline().strip() != "ready":
-            raise RuntimeError("reward worker failed to start")
-        _local.worker = w
-        _workers.append(w)
-    w.stdin.write(json.dumps([a, b]) + "\n")
-    w.stdin.flush()
-    if not select.select([w.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
-        w.kill()  # a check that hangs is killed with its worker; the next call starts a fresh one
-        w.wait()
-        _local.worker = None
+    if w is None or w.proc.poll() is not None:
+        w = _local.worker = _Worker()
+    w.proc.stdin.write(json.dumps([a, b]) + "\n")
+    w.proc.stdin.flush()
+    if not select.select([w.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        _local.worker = None  # a check that hangs dies with its worker; the next call starts a fresh one
         return False
-    return w.stdout.readline().strip() == "true"
-
-
-@atexit.register
-def _stop_workers():
-    for w in _workers:
-        w.kill()  # a no-op for one that has already ended
+    return w.proc.stdout.readline().strip() == "true"

@@ -95,6 +95,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=360)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    p.add_argument("--minibatches", type=int, default=2)
+    p.add_argument("--sft-steps", type=int, default=200)
     a = p.parse_args(argv)
     train, held_out = problems()
     os.makedirs(a.out, exist_ok=True)
@@ -102,13 +104,13 @@ def main(argv=None):
         f.writelines(json.dumps(r) + "\n" for r in train)
     base = os.path.join(a.out, "base")
     tok = build_tokenizer(base)
-    model = warm_start(build_model(base, tok), tok, train)
+    model = warm_start(build_model(base, tok), tok, train, steps=a.sft_steps)
     model.save_pretrained(base)
     before = greedy_accuracy(base, tok, held_out)
     stapo.train(stapo.get_args([
         "--model", base, "--dataset", os.path.join(a.out, "train.jsonl"), "--out", os.path.join(a.out, "rl"),
         "--method", a.method, "--steps", str(a.steps), "--prompts-per-step", str(a.prompts), "--group-size", "8",
-        "--minibatches", "2", "--micro-tokens", "4096", "--max-prompt-len", "64", "--max-response-len", "8",
+        "--minibatches", str(a.minibatches), "--micro-tokens", "4096", "--max-prompt-len", "64", "--max-response-len", "8",
         "--lr", str(a.lr), "--warmup-steps", "0", "--weight-decay", "0", "--save-every", "0", "--tau-p", "0.05"]))
     after = greedy_accuracy(os.path.join(a.out, "rl", "model"), tok, held_out)
     print(f"toy: accuracy {before:.2f} -> {after:.2f}")

@@ -128,6 +128,23 @@ def test_a_check_that_hangs_is_cut_at_the_timeout():
     assert is_equivalent("\\sqrt{8}", "2\\sqrt{2}")  # the worker was replaced and still works
 
 
+def _live_workers():
+    import subprocess
+    out = subprocess.run(["pgrep", "-f", "-P", str(os.getpid()), "reward._serve"], capture_output=True, text=True)
+    return len(out.stdout.split())
+
+
+def test_workers_do_not_leak():
+    for _ in range(5):  # each call needs sympy; the pool's threads, and so their workers, are reused
+        assert reward.score_all(["\\boxed{x^2+2x+1}"] * 4, ["(x+1)^2"] * 4) == [1.0] * 4
+    assert _live_workers() <= os.cpu_count() + 1  # + this thread's own
+    threads = [threading.Thread(target=is_equivalent, args=("\\sqrt{8}", "2\\sqrt{2}")) for _ in range(6)]
+    for t in threads:
+        t.start()
+        t.join()
+    assert _live_workers() <= os.cpu_count() + 1  # a thread's worker ends with the thread
+
+
 def test_checks_from_many_threads():
     results = [None] * 8
 
