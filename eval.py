@@ -85,15 +85,14 @@ def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0
     from stapo import encode_prompt
     records = []
     for name in names:
-        problems = load_benchmark(name, data_dir)[:limit][rank::world]
-        k = samples or BENCHMARKS[name][4]
+        every = load_benchmark(name, data_dir)[:limit]
+        problems, k = every[rank::world], samples or BENCHMARKS[name][4]
         outs = engine.generate([encode_prompt(tok, p["problem"], chat_template, enable_thinking) for p in problems],
-                               k, temperature, top_p, max_tokens, seeds=[seed + i for i in range(len(problems))],
-                               progress=rank == 0)
+                               k, temperature, top_p, max_tokens, seeds=[seed + i for i in range(rank, len(every), world)],
+                               progress=rank == 0)  # problem i is seeded seed + i, whichever rank samples it
         texts = [tok.decode(s.tokens, skip_special_tokens=True) for out in outs for s in out]
         golds = [p["answer"] for p in problems for _ in range(k)]
-        scores = score_all(texts, golds)
-        for j, (text, gold, s) in enumerate(zip(texts, golds, scores)):
+        for j, (text, gold, s) in enumerate(zip(texts, golds, score_all(texts, golds))):
             sample = outs[j // k][j % k]
             records.append({"benchmark": name, "id": problems[j // k]["id"], "sample": j % k, "completion": text,
                             "extracted": extract_boxed(text), "gold": gold, "correct": s > 0,

@@ -27,9 +27,7 @@ MAX_LEN, MAX_DEPTH = 1000, 50
 
 def extract_boxed(text):
     """Content of the last \\boxed{...} / \\fbox{...} (braces balanced), or of `\\boxed x`; None if none."""
-    if not isinstance(text, str):
-        return None
-    i = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    i = max(text.rfind("\\boxed"), text.rfind("\\fbox")) if isinstance(text, str) else -1
     if i < 0:
         return None
     i += len("\\boxed") if text.startswith("\\boxed", i) else len("\\fbox")
@@ -52,8 +50,6 @@ def score(completion, gold):
 
 def score_all(completions, golds):
     """score() over many completions, on a lasting pool of threads, each with its own sympy worker."""
-    global _pool
-    _pool = _pool or ThreadPoolExecutor(max_workers=os.cpu_count())
     return list(_pool.map(score, completions, golds))
 
 
@@ -69,9 +65,8 @@ _SUBS = [(r"\\left\b|\\right\b|\\displaystyle|\\bigl|\\bigr|\\big\b", ""), (r"\\
 
 def _nesting(s):
     """(deepest bracket nesting, whether the brackets balance) of s."""
-    d = m = 0
-    ok = True
-    for c in re.sub(r"\\[{}]", "", s):
+    d, m, ok = 0, 0, True
+    for c in s:  # an escaped \\{ or \\} counts as the brace it is
         d += (c in "({[") - (c in ")}]")
         m, ok = max(m, d), ok and d >= 0
     return m, ok and d == 0
@@ -109,9 +104,6 @@ def _canon(s):
 
 # ---- Numbers, without sympy ------------------------------------------------------------------------------
 
-_NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)"
-
-
 def number(s):
     """(value, exact) for a plain number in any usual spelling, else None: 025, -1.5, 3/4, \\frac{3}{4},
     4.5e33, 4.5\\times10^{33}, 4.5 \\cdot 10^{-3}, 10^{5}. Exponents beyond +-400 are refused."""
@@ -120,8 +112,8 @@ def number(s):
     if m:
         num, den = (m.group(2), m.group(3)) if m.group(2) else (m.group(4), m.group(5))
         return ((-1 if m.group(1) else 1) * Fraction(int(num), int(den)), True) if int(den) else None
-    m = re.fullmatch(r"(%s)?(?:(?:e|E|\\times|\\cdot|\*)?(?:10\^\{?([-+]?\d+)\}?|(?<=[\d.])[eE]([-+]?\d+)))?"
-                     % _NUM, s)
+    m = re.fullmatch(r"([-+]?(?:\d+\.?\d*|\.\d+))?"  # a mantissa, then an exponent in any spelling
+                     r"(?:(?:e|E|\\times|\\cdot|\*)?(?:10\^\{?([-+]?\d+)\}?|(?<=[\d.])[eE]([-+]?\d+)))?", s)
     if not m or not s or (m.group(1) is None and m.group(2) is None):
         return None
     mant, exp = m.group(1), m.group(2) or m.group(3)
@@ -140,11 +132,7 @@ def _close(x, y):
 def _split_top(s, seps):
     """Split s at any of seps that stands outside every bracket."""
     out, depth, start, i = [], 0, 0, 0
-    while i < len(s):
-        if s[i] == "\\" and s.startswith(("\\{", "\\}"), i):
-            depth += 1 if s[i + 1] == "{" else -1
-            i += 2
-            continue
+    while i < len(s):  # an escaped \\{ or \\} counts as the brace it is
         depth += (s[i] in "({[") - (s[i] in ")}]")
         sep = next((x for x in seps if s.startswith(x, i)), None) if depth == 0 else None
         if sep:
@@ -395,7 +383,7 @@ def _sym_equal(a, b):
 
 # ---- The worker: one process per calling thread, JSON lines on pipes, killed on timeout ------------------
 
-_local, _pool = threading.local(), None
+_local, _pool = threading.local(), ThreadPoolExecutor(max_workers=os.cpu_count())  # threads start lazily
 
 
 def _serve():

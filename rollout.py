@@ -7,8 +7,8 @@ The trainer speaks to an engine through three calls:
     engine.sleep()                       # rollout over: give the accelerator memory back to the trainer
 
 HFEngine is `transformers.generate` (CPU, tests, small GPU runs); VLLMEngine is colocated vLLM (GPU).
-Each prompt's samples come from its own seed, so a rollout does not depend on how prompts are split
-across ranks or batched.
+Each sample comes from its own seed, so a rollout does not depend on how prompts are split across
+ranks or batched.
 """
 import importlib.util
 from dataclasses import dataclass
@@ -24,7 +24,7 @@ class Sample:
 
 
 class HFEngine:
-    """Sampling with HF `generate`, one prompt's group per call, on a private copy of the model."""
+    """Sampling with HF `generate` on a private copy of the model."""
 
     def __init__(self, model_path, device, dtype, eos_token_id):
         from transformers import AutoModelForCausalLM
@@ -35,18 +35,29 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
-        from tqdm import tqdm
-        out = []
-        for prompt, seed in tqdm(list(zip(prompts, seeds)), disable=not progress, desc="generate"):
-            torch.manual_seed(seed)
-            ids = torch.tensor([prompt] * n, device=self.device)
-            greedy = temperature == 0
-            seqs = self.model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                do_sample=not greedy, temperature=None if greedy else temperature, top_p=None if greedy else top_p,
-                top_k=None if greedy else 0, eos_token_id=sorted(self.eos), pad_token_id=sorted(self.eos)[0])
-            out.append([self._sample(s[len(prompt):].tolist()) for s in seqs])
-        return out
+        """All prompts in one left-padded batch. Each sample draws from its own seeded generator by
+        Gumbel-max (argmax of logits/T + Gumbel noise is a draw from softmax(logits/T)), so what it
+        samples does not depend on what else is in the batch."""
+        rows = [p for p in prompts for _ in range(n)]
+        width = max(map(len, rows))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in rows], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.device)
+        gens = [torch.Generator().manual_seed(seed * 1_000_003 + k) for seed in seeds for k in range(n)]
+        sampler = [] if temperature == 0 else [lambda _, z: self._gumbel(z, temperature, top_p, gens)]
+        seqs = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                                   logits_processor=sampler, eos_token_id=sorted(self.eos), pad_token_id=min(self.eos))
+        samples = [self._sample(s[width:].tolist()) for s in seqs]
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    @staticmethod
+    def _gumbel(logits, temperature, top_p, gens):
+        z = logits.float() / temperature
+        if top_p < 1:  # keep the smallest set of tokens whose probability reaches top_p
+            p, order = z.softmax(-1).sort(-1, descending=True)
+            drop = p.cumsum(-1) - p >= top_p
+            z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        u = torch.stack([torch.rand(z.shape[-1], generator=g) for g in gens]).to(z.device).clamp_(1e-20, 1)
+        return z - (-u.log()).log()
 
     def _sample(self, tokens):
         stop = next((i + 1 for i, t in enumerate(tokens) if t in self.eos), None)
@@ -63,10 +74,9 @@ class HFEngine:
 
 
 class VLLMEngine:
-    """Colocated vLLM: one in-process engine per torchrun rank (external launcher, TP 1), asleep while
-    the trainer works. Sleep level 2 drops the weights rather than backing them up in host memory,
-    since every sync re-pushes all of them anyway (level 1 would copy 16 GB per rank for Qwen3-8B).
-    For training it starts from dummy weights: the first sync writes the real ones."""
+    """Colocated vLLM: one in-process engine per torchrun rank (external launcher, TP 1), asleep at level 2
+    while the trainer works (every sync re-pushes all weights, so none are backed up in host memory). For
+    training it starts from dummy weights: the first sync writes the real ones."""
 
     def __init__(self, model, rank, tok, max_model_len, gpu_memory_utilization, for_training=True):
         from vllm import LLM
@@ -74,7 +84,7 @@ class VLLMEngine:
                        seed=rank, gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=for_training,
                        max_model_len=max_model_len, logprobs_mode="processed_logprobs",
                        load_format="dummy" if for_training else "auto", dtype="bfloat16")
-        self.vocab = len(tok)  # Qwen3's embedding has padded rows past the tokenizer (vLLM issue 13175)
+        self.allowed = list(range(len(tok)))  # Qwen3's embedding has rows past the tokenizer (vLLM issue 13175)
         self.names = set(self.llm.apply_model(lambda m: [k for k, _ in m.named_parameters()])[0])
         self.sleeping, self.device = False, "cuda" if torch.cuda.is_available() else "cpu"
         if for_training:
@@ -83,7 +93,7 @@ class VLLMEngine:
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
         from vllm import SamplingParams
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=-1, max_tokens=max_tokens,
-                                 logprobs=0, seed=seed, allowed_token_ids=list(range(self.vocab))) for seed in seeds]
+                                 logprobs=0, seed=seed, allowed_token_ids=self.allowed) for seed in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
         return [[Sample(list(c.token_ids), "length" if c.finish_reason == "length" else "stop",
                         [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]) for c in o.outputs] for o in outs]

@@ -125,7 +125,7 @@ def token_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, chunk_si
 
 
 # ==== The trainer: torchrun stapo.py --model ... (also one CPU process, or several under gloo) ==========
-import argparse, json, os, random, shutil, socket, time  # noqa: E402
+import argparse, json, os, random, shutil, time  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -167,14 +167,13 @@ def get_args(argv=None):
 def init_distributed():
     """torchrun's env (or a lone process): returns rank, world size, device, a 1-D device mesh."""
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # a plain `python stapo.py`: a world of one
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                                  MASTER_PORT=str(s.getsockname()[1]))
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)
+        else:  # a plain `python stapo.py`: a world of one (port 0: the OS picks a free one)
+            dist.init_process_group(backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device, init_device_mesh(device.type, (dist.get_world_size(),))
 
@@ -262,14 +261,13 @@ def encode_prompt(tok, problem, chat_template=True, enable_thinking=False):
 def step_prompts(data, step, args, rank, world):
     """This rank's share of step `step`'s prompts, mini-batch by mini-batch: mini-batch b is the same
     block of prompts whatever the world size. The data is shuffled anew (seeded) every epoch."""
-    per_mb = args.prompts_per_step // args.minibatches
+    per_mb, n = args.prompts_per_step // args.minibatches, len(data)
+    orders = {e: torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 7919 + e)) for e in
+              {g // n for g in range(step * args.prompts_per_step, (step + 1) * args.prompts_per_step)}}
     out = []
     for b in range(args.minibatches):
         first = step * args.prompts_per_step + b * per_mb + rank * (per_mb // world)
-        for g in range(first, first + per_mb // world):
-            epoch, j = divmod(g, len(data))
-            order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed * 7919 + epoch))
-            out.append((g, *data[int(order[j])]))
+        out += [(g, *data[int(orders[g // n][g % n])]) for g in range(first, first + per_mb // world)]
     return out
 
 

@@ -1,6 +1,6 @@
 """The CPU toy: a tiny Qwen3 learns single-digit addition with STAPO, offline, in a few minutes on 2 cores.
 
-    python examples/toy.py [--out runs/toy] [--method stapo|justrl|grpo|entropy20] [--steps 360]
+    python examples/toy.py [--out runs/toy] [--method stapo|justrl|grpo|entropy20] [--steps 600]
 
 1. Builds a BPE tokenizer (with a chat template) and a 2-layer Qwen3 from scratch: no downloads.
 2. Warm-starts it with a short supervised phase, stopped early: it learns the `\\boxed{n}` format and a
@@ -92,8 +92,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/toy")
     p.add_argument("--method", default="stapo", choices=["stapo", "justrl", "grpo", "entropy20"])
-    p.add_argument("--steps", type=int, default=360)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--prompts", type=int, default=32, help="prompts per step")
     p.add_argument("--minibatches", type=int, default=2)
     p.add_argument("--sft-steps", type=int, default=200)

@@ -131,3 +131,26 @@ def test_eval_during_training(tiny, tmp_path):
     m = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert len(m) == 2 and all({"eval/aime24", "eval/math500", "eval/average"} <= x.keys() for x in m)
     assert all(0 <= x["eval/aime24"] <= 100 for x in m)
+
+
+class SeedEngine:
+    """Answers \\boxed{7 seed % 5} for every sample: what a problem gets depends only on its seed."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
+        from rollout import Sample
+        return [[Sample(self.tok(f"\\boxed{{{7 * s % 5}}}", add_special_tokens=False)["input_ids"], "stop")] * n
+                for s in seeds]
+
+
+def test_sharding_over_ranks_gives_the_records_of_one_process(tiny, tmp_path):
+    _, tok = tiny
+    data = six_benchmarks(tmp_path / "data")
+    run = lambda rank, world: ev.evaluate(SeedEngine(tok), tok, ["aime24", "minerva"], 2, 1.0, 1.0, 8, rank,  # noqa
+                                          world, str(data), seed=5)
+    key = lambda r: (r["benchmark"], r["id"], r["sample"])  # noqa: E731
+    one = sorted(run(0, 1), key=key)
+    assert sorted(run(0, 2) + run(1, 2), key=key) == one and len(one) == 2 * 3 * 2
+    assert [r["correct"] for r in one if r["benchmark"] == "aime24"] == [False, False, True, True, False, False]

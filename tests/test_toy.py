@@ -1,4 +1,4 @@
-"""The CPU toy learns: a shortened run of examples/toy.py (120 of its 360 steps)."""
+"""The CPU toy learns: a shortened run of examples/toy.py (200 of its 600 steps)."""
 import os
 import sys
 
@@ -8,9 +8,9 @@ import toy  # noqa: E402
 
 
 def test_toy_learns_in_a_shortened_run(tmp_path, capsys):
-    before, after = toy.main(["--out", str(tmp_path), "--steps", "120"])
+    before, after = toy.main(["--out", str(tmp_path), "--steps", "200"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == f"toy: accuracy {before:.2f} -> {after:.2f}"
-    assert 0 <= before <= 0.4          # the warm start knows the format, not the sums
-    assert after >= before + 0.2       # 0.25 -> 0.60 when measured; the full 360 steps reach >= 0.8
+    assert 0 <= before <= 0.4          # the warm start knows the format, and few of the sums
+    assert after >= before + 0.2       # see the README for the measured figures; the full 600 steps reach >= 0.8
     assert os.path.exists(tmp_path / "rl" / "model" / "config.json")

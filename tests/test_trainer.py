@@ -225,3 +225,17 @@ def test_bad_split_is_an_error(tiny, tmp_path):
     d, _ = tiny
     with pytest.raises(ValueError, match="--prompts-per-step 4 must split evenly into --minibatches 3"):
         stapo.train(stapo.get_args(args_for(d, tmp_path, "--minibatches", "3")))
+
+
+def test_step_prompts_split_by_minibatch_and_cover_each_epoch_once():
+    data = [(f"p{i}", str(i)) for i in range(10)]
+    args = stapo.get_args(["--prompts-per-step", "4", "--minibatches", "2", "--seed", "3"])
+    one = [stapo.step_prompts(data, s, args, 0, 1) for s in range(5)]
+    for s in range(5):  # two ranks hold, mini-batch by mini-batch, what one process holds
+        r0, r1 = (stapo.step_prompts(data, s, args, r, 2) for r in (0, 1))
+        assert one[s] == [r0[0], r1[0], r0[1], r1[1]]
+    flat = [x for step in one for x in step]
+    assert [g for g, _, _ in flat] == list(range(20))
+    for epoch in (0, 1):  # steps 2 spans the epoch boundary; each epoch is a permutation of the data
+        assert sorted(p for g, p, _ in flat if g // 10 == epoch) == sorted(p for p, _ in data)
+    assert [p for g, p, _ in flat[:10]] != [p for g, p, _ in flat[10:]]  # reshuffled each epoch
