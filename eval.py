@@ -9,7 +9,7 @@ mean accuracy over the k samples, pass@k the fraction of problems with a correct
 reward.score > 0 on the last \\boxed{}: gold conventions (AIME's zero padding, Minerva's e-notation,
 OlympiadBench's unordered multi-answers) live in reward.py, not here.
 """
-import argparse, json, os, time
+import argparse, functools, json, os, time
 
 # name: (Hub id, split, problem column, answer column, samples per problem)
 BENCHMARKS = {
@@ -37,6 +37,7 @@ def hub_row(name, row, i):
     return {"id": str(row.get("id", row.get("unique_id", i))), "problem": row[pcol], "answer": str(answer)}
 
 
+@functools.lru_cache(maxsize=None)  # --eval-every reads each benchmark once per run, not once per evaluation
 def load_benchmark(name, data_dir=None, source=None):
     """{id, problem, answer} rows: <data_dir>/<name>.jsonl if given, else the Hub (or `source`, a local
     .parquet/.jsonl in the Hub's layout)."""
@@ -70,11 +71,9 @@ def summarize(records):
 
 
 def table(rows):
-    lines = ["| benchmark | n | k | avg@k (%) | pass@k (%) | mean length | truncated |", "|---|---|---|---|---|---|---|"]
-    for name, r in rows.items():
-        lines.append(f"| {name} | {r['n']} | {r['k']} | {r['avg@k']:.2f} | {r['pass@k']:.2f} | {r['mean_len']:.0f} | "
-                     f"{r['truncated']:.3f} |" if name != "average" else f"| **average** | | | **{r['avg@k']:.2f}** | | | |")
-    return "\n".join(lines)
+    return "\n".join(["| benchmark | n | k | avg@k (%) | pass@k (%) | mean length | truncated |\n|---|---|---|---|---|---|---|"] + [
+        f"| {n} | {r['n']} | {r['k']} | {r['avg@k']:.2f} | {r['pass@k']:.2f} | {r['mean_len']:.0f} | {r['truncated']:.3f} |"
+        if n != "average" else f"| **average** | | | **{r['avg@k']:.2f}** | | | |" for n, r in rows.items()])
 
 
 def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0, world=1, data_dir=None,
