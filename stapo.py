@@ -281,7 +281,7 @@ class Policy(torch.nn.Module):
         self.lm = lm
 
     def forward(self, ids, attention_mask, response, temperature):
-        h = self.lm.get_decoder()(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+        h = self.lm.get_decoder()(input_ids=ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         at = response[:, 1:]  # the hidden state at t predicts token t + 1
         return token_logprobs_and_entropy(h[:, :-1][at], self.lm.get_output_embeddings().weight,
                                           ids[:, 1:][at], temperature)
