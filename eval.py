@@ -71,9 +71,10 @@ def summarize(records):
 
 
 def table(rows):
-    return "\n".join(["| benchmark | n | k | avg@k (%) | pass@k (%) | mean length | truncated |\n|---|---|---|---|---|---|---|"] + [
-        f"| {n} | {r['n']} | {r['k']} | {r['avg@k']:.2f} | {r['pass@k']:.2f} | {r['mean_len']:.0f} | {r['truncated']:.3f} |"
-        if n != "average" else f"| **average** | | | **{r['avg@k']:.2f}** | | | |" for n, r in rows.items()])
+    head = "| benchmark | n | k | avg@k (%) | pass@k (%) | mean length | truncated |\n|---|---|---|---|---|---|---|"
+    return "\n".join([head] + [f"| **average** | | | **{r['avg@k']:.2f}** | | | |" if n == "average" else
+                                f"| {n} | {r['n']} | {r['k']} | {r['avg@k']:.2f} | {r['pass@k']:.2f} | "
+                                f"{r['mean_len']:.0f} | {r['truncated']:.3f} |" for n, r in rows.items()])
 
 
 def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0, world=1, data_dir=None,
@@ -87,8 +88,8 @@ def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0
         every = load_benchmark(name, data_dir)[:limit]
         problems, k = every[rank::world], samples or BENCHMARKS[name][4]
         outs = engine.generate([encode_prompt(tok, p["problem"], chat_template, enable_thinking) for p in problems],
-                               k, temperature, top_p, max_tokens, seeds=[seed + i for i in range(rank, len(every), world)],
-                               progress=rank == 0)  # problem i is seeded seed + i, whichever rank samples it
+                               k, temperature, top_p, max_tokens, progress=rank == 0,
+                               seeds=[seed + i for i in range(rank, len(every), world)])  # problem i: seed + i
         texts = [tok.decode(s.tokens, skip_special_tokens=True) for out in outs for s in out]
         golds = [p["answer"] for p in problems for _ in range(k)]
         for j, (text, gold, s) in enumerate(zip(texts, golds, score_all(texts, golds))):
