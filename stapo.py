@@ -356,10 +356,10 @@ def token_weights(method, logp, ent, adv, valid, args):
     if method == "entropy20":  # the top 20% entropy tokens of the mini-batch (all ranks)
         keep = valid & (ent >= torch.quantile(gather_cat(ent[valid]), 0.8).to(ent.device))
     elif method == "stapo":  # S2T, with one tau_h over the mini-batch's candidates on all ranks
-        cand = valid & (adv[:, None] > 0) & (logp.exp() < args.tau_p)
+        cand = s2t_mask(logp, ent, adv, valid, args.tau_p, tau_h=float("inf"))  # every candidate has H < inf
         pooled = gather_cat(ent[cand])
         tau_h = torch.quantile(pooled, args.q).item() if len(pooled) else None
-        silenced = s2t_mask(logp, ent, adv, valid, args.tau_p, args.q, tau_h) if len(pooled) else torch.zeros_like(valid)
+        silenced = s2t_mask(logp, ent, adv, valid, args.tau_p, args.q, tau_h)  # none pooled: none here either
         keep = valid & ~silenced
         stats = {"silenced": silenced, "candidates": len(pooled), "tau_h": tau_h}
     return keep, all_sum(keep.sum())[0], stats
@@ -409,7 +409,7 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device):
             silenced_log += [{"step": step + 1, "token": tok.decode(r[t:t + 1]), "p": logp[i, t].exp().item(),
                               "H": ent[i, t].item(), "left": tok.decode(r[:t])[-40:], "right": tok.decode(r[t + 1:])[:40]}
                              for i, t in st["silenced"].nonzero().tolist() for r in [rows[idx[i]][1]]
-                             if args.log_silenced]
+                             ] if args.log_silenced else []
         keep_all = torch.zeros(valid.shape, dtype=keep.dtype, device=device)
         keep_all[idx] = keep
         mbs = micro_batches(rows, idx, args.micro_tokens)
