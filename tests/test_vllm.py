@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import rollout
 import stapo
@@ -49,8 +50,7 @@ def test_protocol_every_step_and_after_resume(tiny, tmp_path, fake_vllm):
                                 "tensor_parallel_size": 1, "seed": 0, "gpu_memory_utilization": 0.55,
                                 "enable_sleep_mode": True, "max_model_len": 64 + 6,
                                 "logprobs_mode": "processed_logprobs", "load_format": "dummy", "dtype": "bfloat16"})
-    n_params = len(list(stapo.Policy(__import__("transformers").AutoModelForCausalLM.from_pretrained(
-        d / "model")).lm.parameters()))
+    n_params = len(list(AutoModelForCausalLM.from_pretrained(d / "model").parameters()))
     sync = [("wake_up", ("weights",)), ("load_weights", n_params), ("wake_up", ("kv_cache",)), ("reset_prefix_cache",)]
     step = [("generate",), ("sleep", 2)] + sync
     assert compress(fake_vllm.CALLS[1:]) == [("sleep", 2)] + sync + step * 2
@@ -64,9 +64,9 @@ def test_protocol_every_step_and_after_resume(tiny, tmp_path, fake_vllm):
 
     # the last sync pushed exactly the trainer's final weights (as bf16), under HF names
     last = [c for c in fake_vllm.CALLS if c[0] == "load_weights"][-n_params:]
-    final = __import__("transformers").AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
-    assert [c[1] for c in last] == [k for k, _ in __import__("transformers").AutoModelForCausalLM.from_pretrained(
-        tmp_path / "model").named_parameters()]
+    final_model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    final = final_model.state_dict()
+    assert [c[1] for c in last] == [k for k, _ in final_model.named_parameters()]
     for _, name, tensor in last:
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, final[name].to(torch.bfloat16)), name
 
@@ -79,7 +79,7 @@ def test_protocol_every_step_and_after_resume(tiny, tmp_path, fake_vllm):
     stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "3", "--save-every", "2", "--resume")))
     assert compress(fake_vllm.CALLS[1:]) == [("sleep", 2)] + sync + step
     first_push = [c for c in fake_vllm.CALLS if c[0] == "load_weights"][:n_params]
-    ckpt = __import__("transformers").AutoModelForCausalLM.from_pretrained(
+    ckpt = AutoModelForCausalLM.from_pretrained(
         tmp_path / "ckpt" / "step_2" / "hf").state_dict()
     assert all(torch.equal(t, ckpt[n].to(torch.bfloat16)) for _, n, t in first_push)
 
@@ -89,7 +89,6 @@ def _engine(d, tok):
 
 
 def _trained_weights(d, scale=0.01):
-    from transformers import AutoModelForCausalLM
     torch.manual_seed(1)
     m = AutoModelForCausalLM.from_pretrained(d / "model")
     return [(n, p.detach() + scale * torch.randn_like(p)) for n, p in m.named_parameters()]
