@@ -41,7 +41,7 @@ def hub_row(name, row, i):
 def load_benchmark(name, data_dir=None, source=None):
     """{id, problem, answer} rows: <data_dir>/<name>.jsonl if given, else the Hub (or `source`, a local
     .parquet/.jsonl in the Hub's layout)."""
-    from stapo import read_jsonl
+    from rollout import read_jsonl
     if data_dir:
         return [{"id": str(r.get("id", w)), "problem": r["problem"], "answer": str(r["answer"])}
                 for w, r in read_jsonl(os.path.join(data_dir, name + ".jsonl"), ["problem", "answer"])]
@@ -82,14 +82,14 @@ def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0
     """Per-sample records for this rank's share of each benchmark (problem i goes to rank i % world).
     Each benchmark's prompts go to the engine in one call; the answers are checked on parallel threads."""
     from reward import extract_boxed, score_all
-    from stapo import encode_prompt
+    from rollout import encode_prompt, seed_of
     records = []
     for name in names:
         every = load_benchmark(name, data_dir)[:limit]
         problems, k = every[rank::world], samples or BENCHMARKS[name][4]
         outs = engine.generate([encode_prompt(tok, p["problem"], chat_template, enable_thinking) for p in problems],
                                k, temperature, top_p, max_tokens, progress=rank == 0,
-                               seeds=[seed + i for i in range(rank, len(every), world)])  # problem i: seed + i
+                               seeds=[seed_of(seed, i) for i in range(rank, len(every), world)])
         texts = [tok.decode(s.tokens, skip_special_tokens=True) for out in outs for s in out]
         golds = [p["answer"] for p in problems for _ in range(k)]
         for j, (text, gold, s) in enumerate(zip(texts, golds, score_all(texts, golds))):
@@ -102,11 +102,11 @@ def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0
 
 def evaluate_during_training(engine, tok, args, rank, world):
     """`stapo.py --eval-every K`: the same evaluation through the trainer's engine; returns eval/<name>."""
-    from stapo import gather
+    from rollout import gather
     records = sum(gather(evaluate(
-        engine, tok, args.eval_benchmarks.split(","), args.eval_samples, args.temperature, args.top_p,
-        args.max_response_len, rank, world, args.eval_data_dir, None, args.chat_template, args.enable_thinking,
-        args.seed)), [])
+        engine, tok, args.eval_benchmarks.split(","), args.eval_samples or None, args.temperature, args.top_p,
+        args.eval_max_tokens, rank, world, args.eval_data_dir or None, None, args.chat_template,
+        args.enable_thinking, args.seed)), [])
     return {f"eval/{name}": r["avg@k"] for name, r in summarize(records).items()}
 
 
@@ -146,12 +146,24 @@ def main(argv=None):
     if any(n not in BENCHMARKS for n in names):
         p.error(f"--benchmarks: unknown {[n for n in names if n not in BENCHMARKS]}; choose from {list(BENCHMARKS)}")
     temperature, top_p = (x if x is not None else d for x, d in zip((a.temperature, a.top_p), PRESETS[a.preset]))
-    from transformers import AutoTokenizer
-    from rollout import make_engine
-    from stapo import gather, init_distributed
+    import torch.distributed as dist
+    from rollout import init_distributed
+    own_group = not dist.is_initialized()
     rank, world, device, _ = init_distributed()
+    try:
+        run(a, names, temperature, top_p, rank, world, device)
+    finally:
+        if own_group:  # a clean exit: a live process group at interpreter exit can abort the process
+            dist.destroy_process_group()
+
+
+def run(a, names, temperature, top_p, rank, world, device):
+    from transformers import AutoTokenizer
+    from rollout import gather, make_engine
     tok = AutoTokenizer.from_pretrained(a.model)
-    engine = make_engine(a.engine, a.model, tok, device, rank, max_model_len=a.max_tokens + 2048,
+    from transformers import AutoConfig
+    longest = getattr(AutoConfig.from_pretrained(a.model), "max_position_embeddings", None) or 1 << 30
+    engine = make_engine(a.engine, a.model, tok, device, max_model_len=min(a.max_tokens + 2048, longest),
                          gpu_memory_utilization=a.gpu_memory_utilization, for_training=False)
     t0 = time.time()
     records = sum(gather(evaluate(engine, tok, names, a.samples, temperature, top_p, a.max_tokens, rank, world,

@@ -15,7 +15,7 @@ multisets); equations (both sides, or `x = 5` ~ `5` when the left side is a bare
 of one variable become intervals (`x \\ge 2` ~ `[2, \\infty)`, both ways); numbers (exact when both are
 exact; relative tolerance REL_TOL = 1e-4 when either is written as a decimal); else sympy.simplify.
 """
-import json, os, re, select, subprocess, sys, threading, time
+import atexit, json, os, re, select, subprocess, sys, threading, time, weakref
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
@@ -43,7 +43,9 @@ def extract_boxed(text):
 
 
 def score(completion, gold):
-    """The paper's reward: +1.0 if the completion's last boxed answer is equivalent to gold, else -1.0."""
+    """The training reward: +1.0 if the completion's last boxed answer is mathematically equivalent to
+    gold, else -1.0. The paper's reward is DAPO's, a string match of the last answer after normalisation;
+    equivalence also credits a right answer written another way (1/2 for 0.5), as its evaluation does."""
     box = extract_boxed(completion)
     return 1.0 if box is not None and is_equivalent(box, gold) else -1.0
 
@@ -384,6 +386,15 @@ def _sym_equal(a, b):
 # ---- The worker: one process per calling thread, JSON lines on pipes, killed on timeout ------------------
 
 _local, _pool = threading.local(), ThreadPoolExecutor(max_workers=os.cpu_count())  # threads start lazily
+_workers = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown():
+    """At exit: no thread waits on a check, and no worker process outlives its parent."""
+    _pool.shutdown(wait=False, cancel_futures=True)
+    for worker in list(_workers):
+        worker.close()
 
 
 def _serve():
@@ -407,12 +418,15 @@ class _Worker:
         self.proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, %r); import reward; "
                                       "reward._serve()" % here], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        _workers.add(self)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("reward worker failed to start")
 
-    def __del__(self):
+    def close(self):
         self.proc.kill()
         self.proc.wait()
+
+    __del__ = close
 
 
 def _ask_worker(a, b, deadline):

@@ -1,20 +1,93 @@
-"""rollout.py: the sampling engines. Both keep their own inference copy of the policy.
+"""rollout.py: problems in, samples out. The prompt format, the process group, and the two engines.
 
-The trainer speaks to an engine through three calls:
+The trainer and eval.py speak to an engine through four calls:
     engine.generate(prompts, n, temperature, top_p, max_tokens, seeds, progress=False)
-        -> [[Sample] * n for each prompt]
-    engine.load_weights(named_tensors)   # the weights changed: (name, full tensor) pairs, one at a time
+        -> [[Sample] * n for each prompt]; sample j of the prompt seeded s draws from seed s + j
+    engine.load_weights(named_tensors)   # the weights changed: (HF name, full tensor) pairs, one at a time
+    engine.logprobs_of(tokens)           # log p of tokens[1:] given their prefix: the sync's self-check
     engine.sleep()                       # rollout over: give the accelerator memory back to the trainer
 
-HFEngine is `transformers.generate` (CPU, tests, small GPU runs); VLLMEngine is colocated vLLM (GPU).
-Each sample comes from its own seed, so a rollout does not depend on how prompts are split across
-ranks or batched.
+HFEngine is `transformers.generate` (CPU, tests, small runs); VLLMEngine is colocated vLLM 0.32 (GPU, and
+vLLM's CPU build). Both follow vLLM's seeding rule, so a rollout depends on neither the batch nor the rank.
 """
-import importlib.util
+import hashlib, importlib.util, json, os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
+SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+# ---- prompts and data ----------------------------------------------------------------------------------
+
+def encode_prompt(tok, problem, chat_template=True, enable_thinking=False):
+    """Token ids of the paper's prompt: the problem + SUFFIX, as a user turn of the chat template."""
+    text = problem + SUFFIX
+    if chat_template and tok.chat_template:
+        text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True, enable_thinking=enable_thinking)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def read_jsonl(path, fields=()):
+    """[("file:line", row)] of a .jsonl file; a line that is not a JSON object, or lacks one of `fields`,
+    is an error naming the file, the line and the field."""
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{i}: not an object")
+            missing = [k for k in fields if row.get(k) is None]
+            if missing:
+                raise ValueError(f"{path}:{i}: missing field {missing[0]!r}")
+            rows.append((f"{path}:{i}", row))
+    return rows
+
+
+def seed_of(*parts):
+    """A 62-bit seed for a tuple of integers (run seed, step, prompt...). Distinct tuples give unrelated
+    seeds, so the samples s + j of one request never share noise with another request's."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+# ---- the process group ----------------------------------------------------------------------------------
+
+def init_distributed():
+    """torchrun's env, or a lone process as a world of one. Returns rank, world size, device, 1-D mesh.
+    On GPU, gloo carries the CPU tensors (counts, metrics) and NCCL the CUDA ones, with a timeout long
+    enough for a rank to wait out another's long rollout or checkpoint write."""
+    from torch.distributed.device_mesh import init_device_mesh
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timedelta(hours=2))
+        else:  # a plain `python stapo.py` (port 0: the OS picks a free one)
+            dist.init_process_group(backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1,
+                                    timeout=timedelta(hours=2))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device, init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def gather(obj):
+    """Every rank's obj, in rank order."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
+# ---- the engines -----------------------------------------------------------------------------------------
 
 @dataclass
 class Sample:
@@ -31,18 +104,20 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
         eos = self.model.generation_config.eos_token_id  # may list several (Qwen3: <|im_end|>, <|endoftext|>)
         self.eos = {eos_token_id} | set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.device = device
+        self.device, self.dtype = device, dtype
 
     @torch.no_grad()
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
-        """All prompts in one left-padded batch. Each sample draws from its own seeded generator by
-        Gumbel-max (argmax of logits/T + Gumbel noise is a draw from softmax(logits/T)), so what it
-        samples does not depend on what else is in the batch."""
+        """All prompts in one left-padded batch. Sample j of the prompt seeded s draws from its own
+        generator seeded s + j by Gumbel-max (argmax of logits/T + Gumbel noise is a draw from
+        softmax(logits/T)), so what it samples does not depend on what else is in the batch."""
         rows = [p for p in prompts for _ in range(n)]
+        if not rows:
+            return []
         width = max(map(len, rows))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in rows], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.device)
-        gens = [torch.Generator().manual_seed(seed * 1_000_003 + k) for seed in seeds for k in range(n)]
+        gens = [torch.Generator().manual_seed(seed + j) for seed in seeds for j in range(n)]
         sampler = [] if temperature == 0 else [lambda _, z: self._gumbel(z, temperature, top_p, gens)]
         seqs = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
                                    logits_processor=sampler, eos_token_id=sorted(self.eos), pad_token_id=min(self.eos))
@@ -69,82 +144,81 @@ class HFEngine:
         for name, tensor in named_tensors:
             params[name].copy_(tensor)
 
+    @torch.no_grad()
+    def logprobs_of(self, tokens):
+        logits = self.model(torch.tensor([tokens], device=self.device)).logits[0, :-1].float()
+        return logits.log_softmax(-1).gather(-1, torch.tensor(tokens[1:], device=self.device)[:, None])[:, 0].tolist()
+
     def sleep(self):
         pass
 
 
 class VLLMEngine:
-    """Colocated vLLM: one in-process engine per torchrun rank (external launcher, TP 1), asleep at level 2
-    while the trainer works (every sync re-pushes all weights, so none are backed up in host memory). For
-    training it starts from dummy weights: the first sync writes the real ones."""
+    """Colocated vLLM: one in-process engine per torchrun rank (external launcher, TP 1).
 
-    def __init__(self, model, rank, tok, max_model_len, gpu_memory_utilization, for_training=True):
+    On GPU: bf16, asleep at level 2 while the trainer works (every sync re-pushes all weights, so none
+    are backed up in host memory). On vLLM's CPU build, which has no sleep mode: fp32 (its bf16 is
+    emulated, about 3x slower), sleep() does nothing, eager mode, and no chunked prefill (seeded requests
+    fail under it on CPU). For training it starts from dummy weights: the first sync writes the real ones.
+    """
+
+    def __init__(self, model, tok, max_model_len, gpu_memory_utilization, for_training=True):
         from vllm import LLM
+        os.environ.setdefault("RANK", str(dist.get_rank() if dist.is_initialized() else 0))  # external launcher
+        os.environ.setdefault("LOCAL_RANK", "0")                                                # reads both
+        cuda = torch.cuda.is_available()
+        self.dtype = torch.bfloat16 if cuda else torch.float32
+        self.can_sleep = for_training and cuda
+        cpu_only = {} if cuda else {"enforce_eager": True, "enable_chunked_prefill": False}
         self.llm = LLM(model=model, distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-                       seed=rank, gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=for_training,
+                       seed=0, gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
                        max_model_len=max_model_len, logprobs_mode="processed_logprobs",
-                       load_format="dummy" if for_training else "auto", dtype="bfloat16")
-        self.allowed = list(range(len(tok)))  # Qwen3's embedding has rows past the tokenizer (vLLM issue 13175)
-        self.names = set(self.llm.apply_model(lambda m: [k for k, _ in m.named_parameters()])[0])
-        self.sleeping, self.device = False, "cuda" if torch.cuda.is_available() else "cpu"
-        if for_training:
-            self.sleep()
+                       load_format="dummy" if for_training else "auto", dtype=str(self.dtype)[6:], **cpu_only)
+        self.cuda, self.asleep = cuda, False
+        self.sleep()
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
+        """No allowed_token_ids: the trainer's log-probs are over the whole embedding, padded rows
+        included, so the sampler must draw from that same distribution (and vLLM caps the list at 1,024)."""
         from vllm import SamplingParams
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=-1, max_tokens=max_tokens,
-                                 logprobs=0, seed=seed, allowed_token_ids=self.allowed) for seed in seeds]
+                                 logprobs=0, seed=seed, detokenize=False) for seed in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
         return [[Sample(list(c.token_ids), "length" if c.finish_reason == "length" else "stop",
                         [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]) for c in o.outputs] for o in outs]
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
-        """Wake the weights, push every parameter (HF names; vLLM maps them onto its fused qkv and gate_up),
-        wake the KV cache, drop the prefix cache, then check that the weights really arrived."""
-        if self.sleeping:
+        """Free the trainer's cached blocks, wake the weights, reload them in place, wake the KV cache, and
+        drop the prefix cache: KV computed with the old weights must never be reused. The tensors come one
+        at a time, ideally already in self.dtype on this device; `reload_weights` takes HF names, maps them
+        onto vLLM's fused layers and re-runs its post-load processing (the CPU build's repacking too)."""
+        if self.cuda:
+            torch.cuda.empty_cache()
+        if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        sums = {}
-        for name, tensor in named_tensors:
-            tensor = tensor.to(self.device, torch.bfloat16)
-            model.load_weights([(name, tensor)])
-            if name in self.names:
-                sums[name] = checksum(tensor)
-            del tensor
-        torch.cuda.empty_cache()  # a no-op without CUDA
-        self.llm.wake_up(tags=["kv_cache"])
-        self.llm.reset_prefix_cache()  # KV computed with the old weights must never be reused
-        self.sleeping = False
-        self.self_check(sums)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache()
+        self.asleep = False
 
-    def self_check(self, sums):
-        """Read parameters back out of vLLM and compare them with what the trainer sent: the final norm
-        (and an untied lm_head) must have arrived, and the first and last pushed must hold their values."""
-        missing = ({"model.norm.weight", "lm_head.weight"} & self.names) - sums.keys()
-        if missing:
-            raise RuntimeError(f"vLLM weight sync: {sorted(missing)} never pushed (a partial sync)")
-        probe = list(sums)[:1] + list(sums)[-1:]
-        got = self.llm.apply_model(lambda m: [checksum(dict(m.named_parameters())[n]) for n in probe])[0]
-        for name, back in zip(probe, got):
-            if any(abs(x - y) > 1e-3 * max(1.0, abs(x)) for x, y in zip(sums[name], back)):
-                raise RuntimeError(f"vLLM weight sync: {name} reads back {back}, the trainer sent {sums[name]} "
-                                   "(a stale sync)")
+    def logprobs_of(self, tokens):
+        from vllm import SamplingParams
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        (out,) = self.llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
+        return [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], tokens[1:])]
 
     def sleep(self):
-        self.llm.sleep(level=2)
-        self.sleeping = True
+        if self.can_sleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
 
 
-def checksum(t):
-    t = t.detach().float()
-    return float(t.sum()), float(t.norm())
-
-
-def make_engine(kind, model, tok, device, rank, max_model_len, gpu_memory_utilization, for_training=True):
+def make_engine(kind, model, tok, device, max_model_len, gpu_memory_utilization, for_training=True):
     """--engine auto: vLLM when CUDA and vllm are present, else HF generate."""
     if kind == "auto":
         kind = "vllm" if device.type == "cuda" and importlib.util.find_spec("vllm") else "hf"
     if kind == "vllm":
-        return VLLMEngine(model, rank, tok, max_model_len, gpu_memory_utilization, for_training)
+        return VLLMEngine(model, tok, max_model_len, gpu_memory_utilization, for_training)
     return HFEngine(model, device, torch.bfloat16 if device.type == "cuda" else torch.float32, tok.eos_token_id)

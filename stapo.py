@@ -29,46 +29,73 @@ def group_advantages(rewards, group_size, eps=1e-6):
     return adv.masked_fill((r == r[:, :1]).all(1, keepdim=True), 0.0).view(-1)
 
 
+def quantile(x, q):
+    """torch.quantile(x, q) with linear interpolation, in x's own precision and for any length
+    (torch.quantile refuses more than 2**24 values, and a float64 threshold must stay float64)."""
+    if x.numel() == 0:
+        raise ValueError("quantile of an empty tensor")
+    s = x.flatten().sort().values
+    pos = q * (s.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, s.numel() - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
 def s2t_mask(logp, entropy, adv, valid, tau_p=0.002, q=0.75, tau_h=None):
     """The S2T mask (paper: Silencing Spurious Tokens, M_{i,t}). Returns a bool [N, T], True = silenced.
 
     logp, entropy: [N, T] log-prob of each sampled token and the full-vocabulary entropy (nats) of the
     policy at that position, both detached. adv: [N] or [N, T]. valid: [N, T] response mask.
-    Candidates C = valid & (A > 0) & (p < tau_p); tau_h = q-quantile of H over C (linear interpolation);
-    silenced = C & (H < tau_h). An empty C silences nothing. A given tau_h overrides the quantile, so a
-    trainer can pass one threshold computed over a whole mini-batch on all ranks.
+    Candidates C = valid & (A > 0) & (p < tau_p); tau_h = q-quantile of H over C (linear interpolation,
+    in H's precision); silenced = C & (H < tau_h). An empty C silences nothing. A given tau_h overrides
+    the quantile, so a trainer can pass one threshold computed over a whole mini-batch on all ranks.
     """
-    adv = adv if adv.dim() == 2 else adv[:, None]
-    cand = valid.bool() & (adv > 0) & (logp.exp() < tau_p)
+    adv = adv if adv.dim() == logp.dim() else adv[:, None]
+    candidates = valid.bool() & (adv > 0) & (logp.exp() < tau_p)
     if tau_h is None:
-        if not cand.any():
-            return cand
-        tau_h = torch.quantile(entropy[cand].float(), q)
-    return cand & (entropy < tau_h)
+        if not candidates.any():
+            return candidates
+        tau_h = quantile(entropy[candidates], q)
+    return candidates & (entropy < tau_h)
 
 
-def stapo_loss(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high=0.28, clip_c=10.0):
+def stapo_loss(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high=0.28, clip_c=10.0,
+               max_log_ratio=20.0):
     """The STAPO objective (paper: J_STAPO), as a loss to minimise. Returns (loss, stats).
 
-    Per token: ratio = exp(logp - old_logp); l = max(-ratio*A, -clip(ratio, 1-eps_low, 1+eps_high)*A),
-    and for A < 0 also l = min(l, -clip_c*A) (dual clip, as verl; clip_c=None turns it off).
-    loss = sum(l * keep) / num_tokens, where keep = valid & ~silenced and num_tokens defaults to
-    keep.sum(): the loss is renormalised over the tokens that are neither padding nor silenced.
+    Shapes: logp, old_logp, keep are [N, T] (padded batch) or [M] (packed tokens); adv is [N] or [N, T]
+    for a padded batch, [M] for packed tokens. logp carries the gradient; old_logp and adv are treated
+    as constants (detached here). Inputs of any float dtype are computed in float32.
 
+    Per token: ratio = exp(clamp(logp - old_logp, +-max_log_ratio)) (verl clamps at 20: no inf, no NaN);
+    l = max(-ratio*A, -clip(ratio, 1-eps_low, 1+eps_high)*A), and for A < 0 also l = min(l, -clip_c*A)
+    (dual clip, as verl; clip_c=None turns it off).
+    loss = sum(l * keep) / num_tokens, num_tokens defaulting to keep.sum(). keep = valid & ~silenced is a
+    bool (or 0/1) mask, so the loss is renormalised over the tokens neither padded nor silenced; keep may
+    also be a float weight (GRPO's 1/|o_i| per token, whose sum is the number of sequences).
     With nothing silenced (keep = valid) this is exactly the DAPO/JustRL token-mean loss.
-    keep may also be a float weight per token (the trainer's GRPO baseline passes 1/|o_i|).
-    Silenced and padded tokens get exactly zero gradient, and an all-silenced batch a finite zero loss.
+    Silenced and padded tokens get exactly zero gradient; num_tokens = 0 (nothing kept) gives a zero loss.
     """
-    adv = (adv if adv.dim() == 2 else adv[:, None]).expand_as(logp)
+    if logp.dim() not in (1, 2) or old_logp.shape != logp.shape or keep.shape != logp.shape:
+        raise ValueError(f"stapo_loss: logp, old_logp, keep must share one shape [N, T] or [M]; got "
+                         f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(keep.shape)}")
+    if adv.shape != logp.shape and not (logp.dim() == 2 and adv.shape == logp.shape[:1]):
+        raise ValueError(f"stapo_loss: adv must be [N] or [N, T] for logp [N, T], or [M] for packed logp [M]; "
+                         f"got adv {tuple(adv.shape)} for logp {tuple(logp.shape)}")
+    adv = adv.detach().float()
+    adv = (adv if adv.dim() == logp.dim() else adv[:, None]).expand_as(logp)
     kept = keep > 0
-    ratio = torch.where(kept, logp - old_logp, 0.0).exp()  # masked before exp: padding cannot overflow
+    log_ratio = (logp.float() - old_logp.detach().float()).clamp(-max_log_ratio, max_log_ratio)
+    ratio = torch.where(kept, log_ratio, 0.0).exp()
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     per_token = torch.maximum(-ratio * adv, -clipped * adv)
     if clip_c is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -clip_c * adv), per_token)
     per_token = torch.where(kept, per_token, 0.0) * keep
-    n = kept.sum() if num_tokens is None else num_tokens
-    loss = per_token.sum() / max(float(n), 1.0)
+    n = float(keep.sum() if num_tokens is None else num_tokens)
+    if n < 0:
+        raise ValueError(f"stapo_loss: num_tokens must be >= 0, got {n}")
+    loss = per_token.sum() / n if n > 0 else per_token.sum() * 0.0
     with torch.no_grad():
         k = max(int(kept.sum()), 1)
         stats = {"clip_low": float((kept & (adv < 0) & (ratio < 1 - eps_low)).sum()) / k,
@@ -82,6 +109,7 @@ class _ChunkedHead(torch.autograd.Function):
 
     The backward recomputes each chunk's logits (activation checkpointing by hand) and applies the
     log-softmax gradient d log p_y / d z = (onehot(y) - softmax(z)) / T, so [M, V] never exists.
+    The lm_head gradient is accumulated in fp32 over the chunks and cast to the weight's dtype once.
     """
 
     @staticmethod
@@ -89,7 +117,7 @@ class _ChunkedHead(torch.autograd.Function):
         logp, entropy, logz = (hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
         for i in range(0, hidden.shape[0], chunk_size):
             j = slice(i, i + chunk_size)
-            z = (hidden[j] @ weight.T).float().div_(temperature)
+            z = (hidden[j].to(weight.dtype) @ weight.T).float().div_(temperature)
             logz[j] = z.logsumexp(-1)
             z.sub_(logz[j, None])  # z is now log p, in place
             logp[j] = z.gather(-1, tokens[j, None]).squeeze(-1)
@@ -102,15 +130,17 @@ class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
         hidden, weight, tokens, logz = ctx.saved_tensors
-        grad_h, grad_w = torch.empty_like(hidden), torch.zeros_like(weight)
+        grad_h = torch.empty_like(hidden)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for i in range(0, hidden.shape[0], ctx.chunk_size):
             j = slice(i, i + ctx.chunk_size)
-            z = (hidden[j] @ weight.T).float().div_(ctx.temperature)
+            h = hidden[j].to(weight.dtype)
+            z = (h @ weight.T).float().div_(ctx.temperature)
             g = z.sub_(logz[j, None]).exp_().mul_(-grad_logp[j, None])  # -g * softmax(z)
             g = g.scatter_add_(-1, tokens[j, None], grad_logp[j, None]).div_(ctx.temperature).to(weight.dtype)
-            grad_h[j] = g @ weight
-            grad_w.addmm_(g.T, hidden[j])
-        return grad_h, grad_w, None, None, None
+            grad_h[j] = (g @ weight).to(hidden.dtype)
+            grad_w += g.T @ h  # each chunk's product in the weight's dtype, their sum in fp32
+        return grad_h, grad_w.to(weight.dtype), None, None, None
 
 
 def token_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, chunk_size=128):
@@ -125,30 +155,56 @@ def token_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, chunk_si
 
 
 # ==== The trainer: torchrun stapo.py --model ... (also one CPU process, or several under gloo) ==========
-import argparse, json, os, random, shutil, time  # noqa: E402
+import argparse, json, os, shutil, time  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,  # noqa: E402
+                                                     get_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
-SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
-DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
-               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+from rollout import encode_prompt, gather, init_distributed, read_jsonl, seed_of  # noqa: E402
+
+DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the "
+               "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
 DAPO_SUFFIX = "\n\nRemember to put your answer on its own line after \"Answer:\"."
 
-
-# Every setting is a flag (--prompts-per-step 256 ...); the defaults are the paper's: JustRL's recipe + S2T.
+# Every setting is a flag (--prompts-per-step 256 ...). The defaults are the paper's: JustRL's recipe + S2T
+# on Qwen3-8B-Base (README: The paper's settings).
 CONFIG = dict(
-    model="Qwen/Qwen3-8B", dataset="BytedTsinghua-SIA/DAPO-Math-17k", out="runs/stapo", method="stapo",
-    steps=1000, prompts_per_step=256, group_size=8, minibatches=4, micro_tokens=16384,       # batch shape
-    max_prompt_len=1024, max_response_len=15360, temperature=1.0, top_p=1.0,                  # rollout
-    lr=1e-6, warmup_steps=10, weight_decay=0.1, grad_clip=1.0,                                 # AdamW
-    eps_low=0.2, eps_high=0.28, clip_c=10.0,                                                   # clip-higher, dual clip
-    tau_p=0.002, q=0.75,                                                                       # S2T
-    engine="auto", gpu_memory_utilization=0.6, save_every=50, seed=0,
-    eval_every=0, eval_benchmarks="aime24,math500", eval_samples=4, eval_data_dir="")
+    model="Qwen/Qwen3-8B-Base",
+    dataset="BytedTsinghua-SIA/DAPO-Math-17k",
+    out="runs/stapo",
+    method="stapo",
+    steps=1000,
+    prompts_per_step=256,         # batch shape
+    group_size=8,
+    minibatches=4,
+    micro_tokens=16384,
+    max_prompt_len=1024,          # rollout
+    max_response_len=15360,
+    temperature=1.0,
+    top_p=1.0,
+    lr=1e-6,                      # AdamW
+    warmup_steps=10,
+    weight_decay=0.1,
+    grad_clip=1.0,
+    eps_low=0.2,                  # clip-higher and dual clip
+    eps_high=0.28,
+    clip_c=10.0,
+    tau_p=0.002,                  # S2T
+    q=0.75,
+    engine="auto",                # infrastructure
+    gpu_memory_utilization=0.6,
+    save_every=50,
+    keep_ckpts=2,
+    seed=0,
+    eval_every=0,                 # evaluation during training (0: never)
+    eval_benchmarks="aime24,math500",
+    eval_samples=0,               # 0: the paper's k per benchmark
+    eval_max_tokens=20480,
+    eval_data_dir="",
+)
 CHOICES = {"method": ["stapo", "justrl", "grpo", "entropy20"], "engine": ["auto", "vllm", "hf"]}
 
 
@@ -162,60 +218,27 @@ def get_args(argv=None):
     return p.parse_args(argv)
 
 
-# ---- distribution -------------------------------------------------------------------------------------
-
-def init_distributed():
-    """torchrun's env (or a lone process): returns rank, world size, device, a 1-D device mesh."""
-    if not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if "RANK" in os.environ:
-            dist.init_process_group(backend)
-        else:  # a plain `python stapo.py`: a world of one (port 0: the OS picks a free one)
-            dist.init_process_group(backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return dist.get_rank(), dist.get_world_size(), device, init_device_mesh(device.type, (dist.get_world_size(),))
-
+# ---- collectives --------------------------------------------------------------------------------------
 
 def all_sum(*xs):
+    """Sums over ranks of a few numbers (a CPU tensor: gloo carries it, also on GPU)."""
     t = torch.tensor([float(x) for x in xs], dtype=torch.float64)
     dist.all_reduce(t)
     return t.tolist()
 
 
-def gather(obj):
-    """Every rank's obj, in rank order."""
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, obj)
-    return parts
+def all_max(*xs):
+    t = torch.tensor([float(x) for x in xs], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
 
 
 def gather_cat(x):
     """Concatenate a 1-D tensor of any length from every rank."""
-    return torch.cat(gather(x.float().cpu()))
+    return torch.cat(gather(x.cpu()))
 
 
 # ---- data ---------------------------------------------------------------------------------------------
-
-def read_jsonl(path, fields=()):
-    """[(\"file:line\", row)] of a .jsonl file; a line that is not a JSON object, or lacks one of `fields`,
-    is an error naming the file, the line and the field."""
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-            missing = [k for k in fields if not isinstance(row, dict) or row.get(k) is None]
-            if not isinstance(row, dict) or missing:
-                raise ValueError(f"{path}:{i}: " + (f"missing field {missing[0]!r}" if missing else "not an object"))
-            rows.append((f"{path}:{i}", row))
-    return rows
-
 
 def _problem_answer(row, where):
     if "prompt" not in row:
@@ -238,8 +261,10 @@ def load_problems(spec):
         rows = read_jsonl(spec)
     else:
         import datasets
-        ds = datasets.load_dataset("parquet", data_files=spec)["train"] if spec.endswith(".parquet") else \
-            datasets.load_dataset(spec, split="train")
+        if spec.endswith(".parquet"):
+            ds = datasets.load_dataset("parquet", data_files=spec)["train"]
+        else:
+            ds = datasets.load_dataset(spec, split="train")
         rows = [(f"{spec}: row {i}", r) for i, r in enumerate(ds)]
     seen, out = set(), []
     for where, row in rows:
@@ -250,24 +275,19 @@ def load_problems(spec):
     return out
 
 
-def encode_prompt(tok, problem, chat_template=True, enable_thinking=False):
-    text = problem + SUFFIX
-    if chat_template and tok.chat_template:
-        text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                       add_generation_prompt=True, enable_thinking=enable_thinking)
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
 def step_prompts(data, step, args, rank, world):
     """This rank's share of step `step`'s prompts, mini-batch by mini-batch: mini-batch b is the same
     block of prompts whatever the world size. The data is shuffled anew (seeded) every epoch."""
     per_mb, n = args.prompts_per_step // args.minibatches, len(data)
-    orders = {e: torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 7919 + e)) for e in
-              {g // n for g in range(step * args.prompts_per_step, (step + 1) * args.prompts_per_step)}}
+    first_epoch = step * args.prompts_per_step // n
+    last_epoch = ((step + 1) * args.prompts_per_step - 1) // n
+    orders = {e: torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 7919 + e))
+              for e in range(first_epoch, last_epoch + 1)}
     out = []
     for b in range(args.minibatches):
         first = step * args.prompts_per_step + b * per_mb + rank * (per_mb // world)
-        out += [(g, *data[int(orders[g // n][g % n])]) for g in range(first, first + per_mb // world)]
+        for g in range(first, first + per_mb // world):
+            out.append((g, *data[int(orders[g // n][g % n])]))
     return out
 
 
@@ -287,10 +307,29 @@ class Policy(torch.nn.Module):
                                           ids[:, 1:][at], temperature)
 
 
+def refuse_unusual_head(lm, path):
+    """Policy computes logits as hidden @ lm_head.weight; a model whose own logits differ is refused."""
+    cfg, odd = lm.config, []
+    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(cfg, key, None) not in (None, 1, 1.0):
+            odd.append(f"{key}={getattr(cfg, key)}")
+    if getattr(lm.get_output_embeddings(), "bias", None) is not None:
+        odd.append("an lm_head bias")
+    if odd:
+        raise ValueError(f"--model {path}: its logits are not hidden @ lm_head.weight ({', '.join(odd)}); "
+                         "stapo.Policy would compute wrong log-probs for it, so it is refused")
+
+
 def build_policy(path, mesh, device):
-    """fp32 master weights sharded by FSDP2 per decoder layer, then the root; bf16 compute on GPU."""
-    from transformers import AutoModelForCausalLM
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    """fp32 master weights sharded by FSDP2 per decoder layer, then the root; bf16 compute on GPU.
+    Every rank builds the model on the meta device; only rank 0 reads the checkpoint into host memory,
+    and the shards are filled by broadcast from it (8 ranks do not hold 8 full copies)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    refuse_unusual_head(lm, path)
+    lm.export_dtype = getattr(config, "dtype", None) or torch.float32  # save_hf writes the checkpoint's dtype
     mp = MixedPrecisionPolicy()
     if device.type == "cuda":
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -298,29 +337,41 @@ def build_policy(path, mesh, device):
     policy = Policy(lm)
     for layer in lm.get_decoder().layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    return fully_shard(policy, mesh=mesh, mp_policy=mp).train()
+    fully_shard(policy, mesh=mesh, mp_policy=mp)
+    policy.to_empty(device=device)
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) if dist.get_rank() == 0 else None
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(lm, full.state_dict() if full else {}, options=options)
+    for name, buffer in lm.named_buffers():  # non-persistent buffers (rotary inv_freq) are in no state dict
+        if full is not None:
+            buffer.copy_(full.get_buffer(name))
+        dist.broadcast(buffer, src=0)
+    return policy.train()
 
 
-def full_params(policy):
-    """(HF name, full tensor) one parameter at a time, in the same order on every rank (a collective)."""
+def full_params(policy, dtype):
+    """(HF name, full tensor) one parameter at a time, in the same order on every rank (a collective).
+    Each shard is cast to the engine's dtype before the all-gather: half the traffic and memory in bf16."""
     for name, p in policy.lm.named_parameters():
-        yield name, p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        p = p.detach().to(dtype)
+        yield name, p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def micro_batches(rows, idx, budget):
-    """Split sample indices into micro-batches of at most `budget` padded tokens, the same count on
-    every rank (FSDP's collectives need it): a rank with fewer runs empty ones (None)."""
+    """Split sample indices into micro-batches of at most `budget` padded tokens, shortest samples first
+    (similar lengths share a micro-batch, so little of it is padding), the same count on every rank
+    (FSDP's collectives need it): a rank with fewer runs empty ones (None)."""
     out, cur, longest = [], [], 0
-    for i in idx:
+    for i in sorted(idx, key=lambda i: len(rows[i][0]) + len(rows[i][1])):
         n = len(rows[i][0]) + len(rows[i][1])
         if cur and max(longest, n) * (len(cur) + 1) > budget:
             out.append(cur)
             cur, longest = [], 0
         cur, longest = cur + [i], max(longest, n)
-    out += [cur] if cur else []
-    n = torch.tensor([len(out)])
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)
-    return out + [None] * (int(n) - len(out))
+    if cur:
+        out.append(cur)
+    count = int(all_max(len(out))[0])
+    return out + [None] * (count - len(out))
 
 
 def forward(policy, rows, idx, valid, temperature, device):
@@ -340,6 +391,7 @@ def forward(policy, rows, idx, valid, temperature, device):
 
 @torch.no_grad()
 def no_grad_pass(policy, rows, idx, valid, args, device):
+    """(log p, H) of samples idx under the current policy, micro-batch by micro-batch."""
     logp, ent = torch.zeros(valid.shape, device=device), torch.zeros(valid.shape, device=device)
     for mb in micro_batches(rows, idx, args.micro_tokens):
         out = forward(policy, rows, mb or idx[:1], valid, args.temperature, device)
@@ -348,117 +400,210 @@ def no_grad_pass(policy, rows, idx, valid, args, device):
     return logp[idx], ent[idx]
 
 
+# ---- one step -----------------------------------------------------------------------------------------
+
 def token_weights(method, logp, ent, adv, valid, args):
-    """Per-token weights `keep` and their global denominator for each objective the paper compares."""
-    keep, stats = valid, {}  # justrl: every response token
+    """Per-token weights `keep`, their global denominator, and the S2T record, for each objective the
+    paper compares. Thresholds are computed over the whole mini-batch on all ranks."""
     if method == "grpo":  # token mean per sequence, then mean over sequences
-        return valid / valid.sum(1, keepdim=True).clamp(min=1), all_sum(len(valid))[0], stats
-    if method == "entropy20":  # the top 20% entropy tokens of the mini-batch (all ranks)
-        keep = valid & (ent >= torch.quantile(gather_cat(ent[valid]), 0.8).to(ent.device))
-    elif method == "stapo":  # S2T, with one tau_h over the mini-batch's candidates on all ranks
-        cand = s2t_mask(logp, ent, adv, valid, args.tau_p, tau_h=float("inf"))  # every candidate has H < inf
-        pooled = gather_cat(ent[cand])
-        tau_h = torch.quantile(pooled, args.q).item() if len(pooled) else None
-        silenced = s2t_mask(logp, ent, adv, valid, args.tau_p, args.q, tau_h)  # none pooled: none here either
-        keep = valid & ~silenced
-        stats = {"silenced": silenced, "candidates": len(pooled), "tau_h": tau_h}
-    return keep, all_sum(keep.sum())[0], stats
+        keep = valid / valid.sum(1, keepdim=True).clamp(min=1)
+        return keep, all_sum(len(valid))[0], None
+    if method == "justrl":  # every response token
+        return valid, all_sum(valid.sum())[0], None
+    if method == "entropy20":  # the top 20% entropy tokens
+        keep = valid & (ent >= quantile(gather_cat(ent[valid]), 0.8).to(ent.device))
+        return keep, all_sum(keep.sum())[0], None
+    # stapo: S2T with one tau_h over the candidates of all ranks (every candidate has H < inf)
+    candidates = s2t_mask(logp, ent, adv, valid, args.tau_p, tau_h=float("inf"))
+    pooled = gather_cat(ent[candidates])
+    tau_h = float(quantile(pooled, args.q)) if len(pooled) else None
+    silenced = s2t_mask(logp, ent, adv, valid, args.tau_p, args.q, tau_h)  # none pooled: none here either
+    keep = valid & ~silenced
+    s2t = {"silenced": silenced, "candidates": len(pooled), "tau_h": tau_h}
+    return keep, all_sum(keep.sum())[0], s2t
 
 
-def train_step(step, policy, opt, engine, tok, prompts, args, device):
-    """One step of the paper's loop on this rank's prompts. Returns (metrics, silenced-token records)."""
+def update(policy, opt, rows, idx, keep, denom, old_logp, adv, valid, args, device, metrics):
+    """One optimizer step on mini-batch idx. FSDP2 reduce-scatters the gradients after every
+    micro-batch, so no rank ever holds an unsharded gradient of the whole model."""
+    eps_high, clip_c = (args.eps_low, None) if args.method == "grpo" else (args.eps_high, args.clip_c)
+    keep_all = torch.zeros(valid.shape, dtype=keep.dtype, device=device)
+    keep_all[idx] = keep
+    for mb in micro_batches(rows, idx, args.micro_tokens):
+        sel = mb or idx[:1]  # an empty micro-batch runs one sample at zero weight
+        logp, _ = forward(policy, rows, sel, valid, args.temperature, device)
+        loss, st = stapo_loss(logp, old_logp[sel], adv[sel], keep_all[sel] * bool(mb), denom, args.eps_low,
+                              eps_high, clip_c)
+        (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is already global
+        metrics.add(kept=st["kept"], clip_low=st["clip_low"] * st["kept"], clip_high=st["clip_high"] * st["kept"])
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+
+
+@torch.no_grad()
+def sync_engine(engine, policy, probe, device):
+    """Push the policy's weights into the engine, then prove the engine computes what the trainer does:
+    its log-probs of a fixed probe sequence must match the trainer's (a stale, partial or mis-mapped
+    sync fails here, including a copy the engine reads back right but does not sample with)."""
+    engine.load_weights(full_params(policy, engine.dtype))
+    rows, valid = [(probe[:1], probe[1:])], torch.ones(1, len(probe) - 1, dtype=torch.bool, device=device)
+    want, _ = forward(policy, rows, [0], valid, 1.0, device)
+    got = torch.tensor(engine.logprobs_of(probe), device=device)
+    gap = float((got - want[0]).abs().max())
+    tolerance = 1e-3 if engine.dtype == torch.float32 else 0.1
+    if not gap <= tolerance:
+        raise RuntimeError(f"engine weight sync: the engine's log-probs of the probe differ from the trainer's "
+                           f"by {gap:.3g} > {tolerance} (a stale or partial sync)")
+    return gap
+
+
+SUMS = ("samples", "correct", "reward", "flat_groups", "tokens", "valid", "entropy", "truncated", "gap_n", "gap",
+        "silenced", "kept", "clip_low", "clip_high")
+
+
+class StepMetrics:
+    """One step's bookkeeping. Per-rank counts are summed over ranks once, in finish(); the S2T
+    numbers and grad norms are already global (the same on every rank) and are kept as they are."""
+
+    def __init__(self):
+        self.sums = dict.fromkeys(SUMS, 0.0)
+        self.candidates, self.tau_h, self.grad_norm = 0, [], []
+        self.t0 = time.time()
+
+    def add(self, **counts):
+        for key, value in counts.items():
+            self.sums[key] += float(value)
+
+    def rollout(self, samples, rows, rewards, valid, entropy, gap, group_size):
+        self.add(samples=len(samples), correct=(rewards > 0).sum(), reward=rewards.sum(),
+                 flat_groups=(rewards.view(-1, group_size).std(1) == 0).sum(),
+                 tokens=sum(len(p) + len(r) for p, r in rows), valid=valid.sum(),
+                 entropy=entropy[valid].sum(), truncated=sum(s.finish_reason == "length" for s in samples),
+                 gap_n=gap.numel(), gap=gap.sum())
+        self.longest = max(len(s.tokens) for s in samples)
+        self.gap_max = float(gap.max()) if gap.numel() else 0.0
+        self.t_rollout = time.time() - self.t0
+
+    def minibatch(self, s2t, grad_norm):
+        self.grad_norm.append(grad_norm)
+        if s2t is not None:
+            self.add(silenced=s2t["silenced"].sum())
+            self.candidates += s2t["candidates"]
+            self.tau_h += [s2t["tau_h"]] if s2t["tau_h"] is not None else []
+
+    def finish(self, step, lr, probe_gap, group_size):
+        n = dict(zip(SUMS, all_sum(*self.sums.values())))
+        longest, gap_max = all_max(self.longest, self.gap_max)
+        step_s = time.time() - self.t0
+        return {
+            "step": step + 1,
+            "reward_mean": n["reward"] / n["samples"],
+            "accuracy": n["correct"] / n["samples"],
+            "zero_variance_groups": n["flat_groups"] * group_size / n["samples"],
+            "response_len_mean": n["valid"] / n["samples"],
+            "response_len_max": int(longest),
+            "truncated": n["truncated"] / n["samples"],
+            "entropy_mean": n["entropy"] / max(n["valid"], 1),
+            "silenced_frac": n["silenced"] / max(n["valid"], 1),
+            "candidates": self.candidates,
+            "tau_h": sum(self.tau_h) / len(self.tau_h) if self.tau_h else None,
+            "clip_low": n["clip_low"] / max(n["kept"], 1),
+            "clip_high": n["clip_high"] / max(n["kept"], 1),
+            "grad_norm": sum(self.grad_norm) / len(self.grad_norm),
+            "lr": lr,
+            "logprob_gap_mean": n["gap"] / n["gap_n"] if n["gap_n"] else None,
+            "logprob_gap_max": gap_max if n["gap_n"] else None,
+            "sync_probe_gap": probe_gap,
+            "rollout_s": self.t_rollout,
+            "train_s": step_s - self.t_rollout,
+            "step_s": step_s,
+            "tokens_per_s": n["tokens"] / step_s,
+        }
+
+
+def silenced_records(step, tok, rows, idx, silenced, logp, ent):
+    """One record per silenced token: the token, its p and H, and 40 characters either side."""
+    records = []
+    for i, t in silenced.nonzero().tolist():
+        response = rows[idx[i]][1]
+        records.append({"step": step + 1, "token": tok.decode(response[t:t + 1]),
+                        "p": logp[i, t].exp().item(), "H": ent[i, t].item(),
+                        "left": tok.decode(response[:t])[-40:], "right": tok.decode(response[t + 1:])[:40]})
+    return records
+
+
+def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
+    """One step of the paper's loop (Algorithm 1) on this rank's prompts: (metrics, silenced-token log)."""
     from reward import score_all
-    t0, G = time.time(), args.group_size
-    # 1-3. rollout, reward, group advantages
+    G, metrics = args.group_size, StepMetrics()
+
+    # 1. Rollout: G samples per prompt from the engine (the policy as of the last sync), each seeded
+    seeds = [seed_of(args.seed, step, g) for g, _, _ in prompts]
     groups = engine.generate([p for _, p, _ in prompts], G, args.temperature, args.top_p, args.max_response_len,
-                             seeds=[args.seed * 1_000_003 + step * 100_003 + g for g, _, _ in prompts])
+                             seeds)
     engine.sleep()
-    samples = [s for grp in groups for s in grp]
-    rows = [(p, s.tokens) for (_, p, _), grp in zip(prompts, groups) for s in grp]
-    rewards = torch.tensor(score_all(tok.batch_decode([s.tokens for s in samples], skip_special_tokens=True),
-                                     [a for _, _, a in prompts for _ in range(G)]))
+    samples = [s for group in groups for s in group]
+    rows = [(p, s.tokens) for (_, p, _), group in zip(prompts, groups) for s in group]
+    lengths = torch.tensor([len(s.tokens) for s in samples])
+    valid = (torch.arange(max(1, int(lengths.max()))) < lengths[:, None]).to(device)
+
+    # 2. Reward: +1 if the last \boxed{} is equivalent to the gold, else -1
+    texts = tok.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
+    rewards = torch.tensor(score_all(texts, [a for _, _, a in prompts for _ in range(G)]))
+
+    # 3. Advantages: normalised within each group of G
     adv = group_advantages(rewards, G).to(device)
-    rlen = torch.tensor([len(s.tokens) for s in samples])
-    valid = (torch.arange(max(1, int(rlen.max()))) < rlen[:, None]).to(device)
-    t_rollout = time.time() - t0
-    # 4. the old policy: log p of every sampled token, and p and H for the first mini-batch's S2T
+
+    # 4. The old policy: log p of every sampled token (and p, H for the first mini-batch's S2T)
     everyone = list(range(len(rows)))
     old_logp, old_ent = no_grad_pass(policy, rows, everyone, valid, args, device)
-    gap = torch.zeros(0, device=device)  # |sampler log p - trainer log p|: it jumps when a sync breaks
+    gap = torch.zeros(0)  # |sampler log p - trainer log p|: it jumps when a sync breaks
     if samples[0].logprobs is not None:
-        gap = (torch.tensor([x for s in samples for x in s.logprobs], device=device) - old_logp[valid]).abs()
-    acc = {"samples": len(samples), "correct": (rewards > 0).sum(), "tokens": sum(len(p) + len(r) for p, r in rows),
-           "flat_groups": (rewards.view(-1, G).std(1) == 0).sum(), "valid": valid.sum(), "length": rlen.sum(),
-           "entropy": old_ent[valid].sum(), "truncated": sum(s.finish_reason == "length" for s in samples),
-           "gap_n": gap.numel(), "gap": gap.sum(), "silenced": 0, "candidates": 0, "kept": 0, "clip_low": 0,
-           "clip_high": 0}
-    # 5. mini-batch updates
+        gap = (torch.tensor([x for s in samples for x in s.logprobs]) - old_logp[valid].cpu()).abs()
+    metrics.rollout(samples, rows, rewards, valid.cpu(), old_ent.cpu(), gap, G)
+
+    # 5. Mini-batch updates: S2T statistics (p and H of the current policy), the mask, the loss, a step
     lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup_steps))
     for group in opt.param_groups:
         group["lr"] = lr
-    eps_high, clip_c = (args.eps_low, None) if args.method == "grpo" else (args.eps_high, args.clip_c)
-    per, tau_hs, grad_norms, silenced_log = len(rows) // args.minibatches, [], [], []
+    per, silenced_log = len(rows) // args.minibatches, []
     for b in range(args.minibatches):
         idx = everyone[b * per:(b + 1) * per]
-        logp, ent = (old_logp[idx], old_ent[idx]) if b == 0 else no_grad_pass(policy, rows, idx, valid, args, device)
-        keep, denom, st = token_weights(args.method, logp, ent, adv[idx], valid[idx], args)
-        if st:
-            acc["silenced"] += st["silenced"].sum()
-            acc["candidates"] += st["candidates"]
-            tau_hs += [st["tau_h"]] if st["tau_h"] is not None else []
-            silenced_log += [{"step": step + 1, "token": tok.decode(r[t:t + 1]), "p": logp[i, t].exp().item(),
-                              "H": ent[i, t].item(), "left": tok.decode(r[:t])[-40:], "right": tok.decode(r[t + 1:])[:40]}
-                             for i, t in st["silenced"].nonzero().tolist() for r in [rows[idx[i]][1]]
-                             ] if args.log_silenced else []
-        keep_all = torch.zeros(valid.shape, dtype=keep.dtype, device=device)
-        keep_all[idx] = keep
-        mbs = micro_batches(rows, idx, args.micro_tokens)
-        for k, mb in enumerate(mbs):
-            sel = mb or idx[:1]  # an empty micro-batch runs one sample at zero weight
-            policy.set_requires_gradient_sync(k == len(mbs) - 1)
-            logp_mb, _ = forward(policy, rows, sel, valid, args.temperature, device)
-            loss, st = stapo_loss(logp_mb, old_logp[sel], adv[sel], keep_all[sel] * bool(mb), denom, args.eps_low,
-                                  eps_high, clip_c)
-            (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is already global
-            acc["kept"] += st["kept"]
-            acc["clip_low"] += st["clip_low"] * st["kept"]
-            acc["clip_high"] += st["clip_high"] * st["kept"]
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip).full_tensor()))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    t_train = time.time() - t0 - t_rollout
-    # 6. sync the engine
-    engine.load_weights(full_params(policy))
-    n = dict(zip(acc, all_sum(*acc.values())))  # summed over ranks
-    maxes = torch.tensor([float(rlen.max()), float(gap.max()) if gap.numel() else 0.0])
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-    step_s = time.time() - t0
-    return {"step": step + 1, "reward_mean": float(all_sum(rewards.sum())[0]) / n["samples"],
-            "accuracy": n["correct"] / n["samples"], "zero_variance_groups": n["flat_groups"] * G / n["samples"],
-            "response_len_mean": n["length"] / n["samples"], "response_len_max": int(maxes[0]),
-            "truncated": n["truncated"] / n["samples"], "entropy_mean": n["entropy"] / max(n["valid"], 1),
-            "silenced_frac": n["silenced"] / max(n["valid"], 1), "candidates": int(n["candidates"]),
-            "tau_h": sum(tau_hs) / len(tau_hs) if tau_hs else None, "clip_low": n["clip_low"] / max(n["kept"], 1),
-            "clip_high": n["clip_high"] / max(n["kept"], 1), "grad_norm": sum(grad_norms) / len(grad_norms), "lr": lr,
-            "logprob_gap_mean": n["gap"] / n["gap_n"] if n["gap_n"] else None,
-            "logprob_gap_max": float(maxes[1]) if n["gap_n"] else None, "rollout_s": t_rollout, "train_s": t_train,
-            "step_s": step_s, "tokens_per_s": n["tokens"] / step_s}, silenced_log
+        if b == 0:  # the policy has not moved yet: the old pass's p and H are the current ones
+            logp, ent = old_logp[idx], old_ent[idx]
+        else:
+            logp, ent = no_grad_pass(policy, rows, idx, valid, args, device)
+        keep, denom, s2t = token_weights(args.method, logp, ent, adv[idx], valid[idx], args)
+        grad_norm = update(policy, opt, rows, idx, keep, denom, old_logp, adv, valid, args, device, metrics)
+        metrics.minibatch(s2t, grad_norm)
+        if args.log_silenced and s2t is not None:
+            silenced_log += silenced_records(step, tok, rows, idx, s2t["silenced"], logp, ent)
+
+    # 6. Sync the engine to the new policy, and prove it
+    probe_gap = sync_engine(engine, policy, probe, device)
+    return metrics.finish(step, lr, probe_gap, G), silenced_log
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------
 
 def save_hf(policy, tok, path, rank):
-    """An HF-format model (loadable by transformers and vLLM) and the tokenizer, written by rank 0."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    """An HF-format model (loadable by transformers and vLLM) in the dtype of the checkpoint it started
+    from (Qwen3: bf16), and the tokenizer, written by rank 0."""
     sd = get_model_state_dict(policy.lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        policy.lm.save_pretrained(path, state_dict=sd)
+        dtype, compute_dtype = policy.lm.export_dtype, policy.lm.config.dtype
+        policy.lm.config.dtype = dtype
+        policy.lm.save_pretrained(path, state_dict={k: v.to(dtype) for k, v in sd.items()})
+        policy.lm.config.dtype = compute_dtype
         tok.save_pretrained(path)
 
 
 def save_checkpoint(step, policy, opt, tok, args, rank):
-    """out/ckpt/step_N: hf/ (the model), dcp/ (sharded model + optimizer), rng<rank>.pt, state.json.
-    Written under a temporary name and renamed when complete, so a crash never leaves a half checkpoint."""
+    """out/ckpt/step_N: hf/ (the model), dcp/ (sharded model + optimizer), state.json. Written under a
+    temporary name and renamed when complete, so a crash never leaves a half checkpoint; only the newest
+    --keep-ckpts are kept. No RNG state is needed: every sample is seeded by (seed, step, prompt)."""
     final = os.path.join(args.out, "ckpt", f"step_{step}")
     tmp = final + ".tmp"
     if rank == 0:
@@ -467,7 +612,6 @@ def save_checkpoint(step, policy, opt, tok, args, rank):
     dist.barrier()
     model_sd, optim_sd = get_state_dict(policy, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"))
-    torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, os.path.join(tmp, f"rng{rank}.pt"))
     save_hf(policy, tok, os.path.join(tmp, "hf"), rank)
     dist.barrier()
     if rank == 0:
@@ -475,24 +619,42 @@ def save_checkpoint(step, policy, opt, tok, args, rank):
             json.dump({"step": step, "data_position": step * args.prompts_per_step}, f)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
+        for old in checkpoints(args.out)[:-args.keep_ckpts] if args.keep_ckpts > 0 else []:
+            shutil.rmtree(os.path.join(args.out, "ckpt", f"step_{old}"))
     dist.barrier()
 
 
-def load_checkpoint(policy, opt, args, rank):
+def checkpoints(out):
+    """The steps of the complete checkpoints under out/ckpt, oldest first."""
+    root = os.path.join(out, "ckpt")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(d[5:]) for d in names if d.startswith("step_") and d[5:].isdigit())
+
+
+def load_checkpoint(policy, opt, args):
     """Restore the latest complete checkpoint; returns the number of steps it had done (0 if none)."""
-    root = os.path.join(args.out, "ckpt")
-    done = [int(d[5:]) for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()] \
-        if os.path.isdir(root) else []
+    done = checkpoints(args.out)
     if not done:
         return 0
-    path = os.path.join(root, f"step_{max(done)}")
     model_sd, optim_sd = get_state_dict(policy, opt)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, "dcp"))
+    path = os.path.join(args.out, "ckpt", f"step_{done[-1]}", "dcp")
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(policy, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    rng = torch.load(os.path.join(path, f"rng{rank}.pt"), weights_only=False)
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    return max(done)
+    return done[-1]
+
+
+def append_jsonl(path, records):
+    with open(path, "a") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+
+
+def drop_steps_after(path, step):
+    """Cut a log back to the checkpoint's step: a resumed run re-runs (and re-logs) the steps after it."""
+    if os.path.exists(path):
+        kept = [line for line in open(path) if json.loads(line)["step"] <= step]
+        with open(path, "w") as f:
+            f.writelines(kept)
 
 
 # ---- main -----------------------------------------------------------------------------------------------
@@ -505,37 +667,41 @@ def train(args):
     if args.prompts_per_step % (args.minibatches * world):
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must split evenly into --minibatches "
                          f"{args.minibatches}, each over {world} ranks")
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
     tok = AutoTokenizer.from_pretrained(args.model)
-    data = [(ids, a) for ids, a in ((encode_prompt(tok, p, args.chat_template, args.enable_thinking), a)
-                                    for p, a in load_problems(args.dataset)) if len(ids) <= args.max_prompt_len]
+    data = []
+    for problem, answer in load_problems(args.dataset):
+        ids = encode_prompt(tok, problem, args.chat_template, args.enable_thinking)
+        if len(ids) <= args.max_prompt_len:
+            data.append((ids, answer))
+    probe = encode_prompt(tok, "What is 1 + 1?", args.chat_template) + tok("\\boxed{2}", add_special_tokens=False)["input_ids"]
     policy = build_policy(args.model, mesh, device)
-    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    start = load_checkpoint(policy, opt, args, rank) if args.resume else 0
-    engine = make_engine(args.engine, args.model, tok, device, rank, args.max_prompt_len + args.max_response_len,
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=True)
+    start = load_checkpoint(policy, opt, args) if args.resume else 0
+    engine = make_engine(args.engine, args.model, tok, device, args.max_prompt_len + args.max_response_len,
                          args.gpu_memory_utilization)
-    engine.load_weights(full_params(policy))  # vLLM starts from dummy weights; after --resume, the loaded ones
+    sync_engine(engine, policy, probe, device)  # vLLM starts from dummy weights; after --resume, the loaded ones
+    logs = [os.path.join(args.out, name) for name in ("metrics.jsonl", "silenced.jsonl")]
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "config.json"), "w") as f:
             json.dump({**vars(args), "world_size": world, "device": str(device), "problems": len(data)}, f, indent=1)
+        for path in logs:
+            drop_steps_after(path, start)
     for step in tqdm(range(start, args.steps), disable=rank != 0, desc="stapo", initial=start, total=args.steps):
-        metrics, silenced = train_step(step, policy, opt, engine, tok, step_prompts(data, step, args, rank, world),
-                                       args, device)
+        prompts = step_prompts(data, step, args, rank, world)
+        metrics, silenced = train_step(step, policy, opt, engine, tok, prompts, args, device, probe)
         if args.eval_every and (step + 1) % args.eval_every == 0:
             from eval import evaluate_during_training
             metrics.update(evaluate_during_training(engine, tok, args, rank, world))
         silenced = sum(gather(silenced), [])
         if rank == 0:
-            with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(metrics) + "\n")
+            append_jsonl(logs[0], [metrics])
             if silenced:
-                with open(os.path.join(args.out, "silenced.jsonl"), "a") as f:
-                    f.writelines(json.dumps(x) + "\n" for x in silenced)
-            tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
-                                if k in ("step", "reward_mean", "accuracy", "silenced_frac", "response_len_mean",
-                                         "entropy_mean", "grad_norm", "step_s")))
+                append_jsonl(logs[1], silenced)
+            shown = ("step", "reward_mean", "accuracy", "silenced_frac", "response_len_mean", "entropy_mean",
+                     "grad_norm", "step_s")
+            tqdm.write(" ".join(f"{k}={metrics[k]:.4g}" if isinstance(metrics[k], float) else f"{k}={metrics[k]}"
+                                for k in shown))
         if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(step + 1, policy, opt, tok, args, rank)
     save_hf(policy, tok, os.path.join(args.out, "model"), rank)
@@ -544,5 +710,8 @@ def train(args):
 
 
 if __name__ == "__main__":
-    train(get_args())
-    dist.destroy_process_group()
+    try:
+        train(get_args())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

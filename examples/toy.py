@@ -16,7 +16,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import stapo  # noqa: E402
-from rollout import HFEngine  # noqa: E402
+from rollout import SUFFIX, HFEngine  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -37,7 +37,7 @@ def build_tokenizer(path):
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
-    corpus = [r["problem"] + stapo.SUFFIX for r in problems()[0]] + [f"\\boxed{{{n}}}" for n in range(19)]
+    corpus = [r["problem"] + SUFFIX for r in problems()[0]] + [f"\\boxed{{{n}}}" for n in range(19)]
     tok.train_from_iterator(corpus * 4, trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))

@@ -21,3 +21,16 @@ def tiny(tmp_path_factory):
     with open(d / "train.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in train)
     return d, tok
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm(tmp_path_factory):
+    """The toy's model at hidden 128 (head_dim 32, a size vLLM's CPU attention accepts), warm-started."""
+    d = tmp_path_factory.mktemp("tiny_vllm")
+    tok = toy.build_tokenizer(str(d / "model"))
+    train = toy.problems()[0]
+    model = toy.build_model(str(d / "model"), tok, hidden=128)
+    toy.warm_start(model, tok, train, steps=120).save_pretrained(d / "model")
+    with open(d / "train.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in train)
+    return d, tok

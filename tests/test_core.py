@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from stapo import group_advantages, s2t_mask, stapo_loss, token_logprobs_and_entropy
+from stapo import group_advantages, quantile, s2t_mask, stapo_loss, token_logprobs_and_entropy
 
 
 # ---------------------------------------------------------------- group_advantages
@@ -236,3 +236,97 @@ def test_entropy_of_uniform_logits_is_log_v():
     h, w = torch.zeros(3, 4), torch.randn(64, 4)
     _, ent = token_logprobs_and_entropy(h, w, torch.tensor([0, 1, 2]))
     assert torch.allclose(ent, torch.full((3,), math.log(64)))
+
+
+# ---------------------------------------------------------------- precision, size and the copyable contract
+
+def test_quantile_matches_torch_and_takes_more_than_2_pow_24_values():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(1001, generator=g, dtype=dtype)
+        for q in (0.0, 0.2, 0.75, 0.8, 1.0):
+            assert torch.equal(quantile(x, q), torch.quantile(x, q)), (dtype, q)
+    big = torch.arange(2 ** 24 + 1, dtype=torch.float32)  # torch.quantile refuses this many (entropy20's case)
+    assert quantile(big, 0.8).item() == pytest.approx(0.8 * 2 ** 24, abs=1)
+    with pytest.raises(ValueError, match="empty"):
+        quantile(torch.zeros(0), 0.5)
+
+
+def test_s2t_mask_threshold_in_the_input_precision():
+    # tau_h = (1 + (1 + 4e-12)) / 2 in float64 sits above 1.0; cast to float32 it is 1.0, and the token
+    # with H = 1.0 would no longer satisfy H < tau_h
+    ent = torch.tensor([[1.0, 1.0 + 4e-12]], dtype=torch.float64)
+    logp = torch.full((1, 2), math.log(1e-3), dtype=torch.float64)
+    m = s2t_mask(logp, ent, torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool), q=0.5)
+    assert m.tolist() == [[True, False]]
+
+
+def test_stapo_loss_default_denominator_is_keep_sum_for_float_weights():
+    logp, old, adv, valid = _batch(6)
+    w = valid / valid.sum(1, keepdim=True)  # GRPO's weights sum to the number of sequences, 6
+    loss, _ = stapo_loss(logp, old, adv, w, eps_high=0.2, clip_c=None)
+    ref, _ = stapo_loss(logp, old, adv, w, num_tokens=6, eps_high=0.2, clip_c=None)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_stapo_loss_small_num_tokens_is_used_as_given():
+    logp, old, adv, valid = _batch(7)
+    keep = torch.zeros_like(valid)
+    keep[0, 0] = True
+    one, _ = stapo_loss(logp, old, adv, keep, num_tokens=1)
+    half, _ = stapo_loss(logp, old, adv, keep, num_tokens=0.5)
+    assert half.item() == pytest.approx(2 * one.item(), rel=1e-6)
+    zero, _ = stapo_loss(logp, old, adv, torch.zeros_like(valid), num_tokens=0)
+    assert zero.item() == 0.0
+    with pytest.raises(ValueError, match="num_tokens"):
+        stapo_loss(logp, old, adv, keep, num_tokens=-1)
+
+
+def test_stapo_loss_upcasts_bf16_inputs():
+    logp, old, adv, valid = _batch(8)
+    lo = logp.detach().bfloat16(), old.bfloat16(), adv.bfloat16()
+    got, _ = stapo_loss(*lo, valid)
+    want, _ = stapo_loss(*(t.float() for t in lo), valid)  # the same bf16 values, computed in fp32
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_stapo_loss_huge_log_ratio_gives_a_finite_gradient():
+    logp = torch.tensor([[100.0, -100.0, 0.1]], requires_grad=True)
+    loss, _ = stapo_loss(logp, torch.zeros(1, 3), torch.tensor([[-1.0, 1.0, 1.0]]), torch.ones(1, 3, dtype=torch.bool))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and logp.grad[0, 2] != 0
+
+
+def test_stapo_loss_packed_tokens_equal_the_padded_batch():
+    logp, old, adv, valid = _batch(9)
+    padded, _ = stapo_loss(logp, old, adv, valid)
+    token_adv = adv[:, None].expand_as(logp)
+    packed, _ = stapo_loss(logp[valid], old[valid], token_adv[valid], torch.ones(int(valid.sum()), dtype=torch.bool))
+    assert packed.item() == pytest.approx(padded.item(), rel=1e-6)
+
+
+def test_stapo_loss_bad_shapes_are_named():
+    logp, old, adv, valid = _batch(10)
+    with pytest.raises(ValueError, match=r"must share one shape"):
+        stapo_loss(logp, old[:, :3], adv, valid)
+    with pytest.raises(ValueError, match=r"adv must be"):
+        stapo_loss(logp[valid], old[valid], adv, torch.ones(int(valid.sum()), dtype=torch.bool))
+
+
+def test_chunked_head_bf16_gradient_accumulates_in_fp32():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(4096, 64, generator=g)
+    w = torch.randn(512, 64, generator=g) * 0.1
+    y = torch.randint(0, 512, (4096,), generator=g)
+    exact = torch.func.grad(lambda w: torch.log_softmax(h.double() @ w.T, -1).gather(-1, y[:, None]).sum())(w.double())
+    wb = w.bfloat16().requires_grad_()
+    logp, _ = token_logprobs_and_entropy(h.bfloat16(), wb, y, chunk_size=32)
+    logp.sum().backward()
+    err = (wb.grad.double() - exact).norm() / exact.norm()
+    assert wb.grad.dtype == torch.bfloat16 and err < 5e-3  # accumulated in bf16 over 128 chunks: 1.25e-2
+    # fp32 master weights with bf16 hidden states (autocast): gradients in each input's own dtype
+    wf = w.clone().requires_grad_()
+    hb = h.bfloat16().requires_grad_()
+    logp, _ = token_logprobs_and_entropy(hb, wf, y, chunk_size=32)
+    logp.sum().backward()
+    assert wf.grad.dtype == torch.float32 and hb.grad.dtype == torch.bfloat16

@@ -8,6 +8,7 @@ import pytest
 
 import eval as ev
 import stapo
+from rollout import seed_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "..", "shared", "data", "benchmarks")
@@ -153,4 +154,39 @@ def test_sharding_over_ranks_gives_the_records_of_one_process(tiny, tmp_path):
     key = lambda r: (r["benchmark"], r["id"], r["sample"])  # noqa: E731
     one = sorted(run(0, 1), key=key)
     assert sorted(run(0, 2) + run(1, 2), key=key) == one and len(one) == 2 * 3 * 2
-    assert [r["correct"] for r in one if r["benchmark"] == "aime24"] == [False, False, True, True, False, False]
+    golds = [r["gold"] for r in one if r["benchmark"] == "aime24"][::2]
+    expect = [str(7 * seed_of(5, i) % 5) == g for i, g in enumerate(golds) for _ in range(2)]
+    assert [r["correct"] for r in one if r["benchmark"] == "aime24"] == expect
+
+
+def test_seeds_of_two_runs_share_no_sample():
+    """vLLM seeds sample j of a request seeded s with s + j: with seed + problem index as the request seed,
+    --seed 0 and --seed 1 shared 31 of 32 samples per AIME problem. Every (run seed, problem, j) must differ."""
+    def sample_seeds(run_seed, problems=30, k=32):
+        return {seed_of(run_seed, i) + j for i in range(problems) for j in range(k)}
+    a, b = sample_seeds(0), sample_seeds(1)
+    assert len(a) == len(b) == 30 * 32 and not a & b
+
+
+def test_the_clis_exit_cleanly_again_and_again_on_a_loaded_machine(tiny, tmp_path):
+    """A process group or reward workers left alive at exit made eval.py abort now and then under load
+    ('terminate called without an active exception', SIGABRT). Two CPU burners load both cores."""
+    d, _ = tiny
+    data = six_benchmarks(tmp_path / "data")
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for i in range(4):
+            r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", str(d / "model"),
+                                "--data-dir", str(data), "--benchmarks", "math500,minerva", "--limit", "2",
+                                "--samples", "2", "--max-tokens", "8", "--out", str(tmp_path / f"e{i}")],
+                               capture_output=True, text=True, cwd=ROOT, timeout=600)
+            assert r.returncode == 0 and "terminate called" not in r.stderr, (i, r.returncode, r.stderr[-2000:])
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "stapo.py"), "--model", str(d / "model"), "--dataset",
+                            str(d / "train.jsonl"), "--out", str(tmp_path / "t"), "--prompts-per-step", "2",
+                            "--group-size", "2", "--minibatches", "1", "--max-response-len", "4", "--steps", "1",
+                            "--save-every", "0"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr[-2000:]
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()

@@ -8,11 +8,13 @@ import sys
 import pytest
 import torch
 
+import rollout
 import stapo
-from rollout import Sample
+from rollout import HFEngine, Sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(ROOT, "..", "shared", "data")
+PROBE = [5, 6, 7, 8, 9]
 
 
 def args_for(tiny_dir, out, *extra):
@@ -45,37 +47,81 @@ def run(argv, nproc=1):
 
 # ---- distribution, micro-batching, resume -------------------------------------------------------------
 
+TIMING = {"rollout_s", "train_s", "step_s", "tokens_per_s"}
+
+
+def assert_same_metrics(a, b):
+    """Every metric but the timings, step by step, to float precision."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x.keys() - TIMING:
+            if isinstance(x[k], float) and isinstance(y[k], float):
+                assert math.isclose(x[k], y[k], rel_tol=1e-4, abs_tol=1e-6), (x["step"], k, x[k], y[k])
+            else:
+                assert x[k] == y[k], (x["step"], k, x[k], y[k])
+
+
+def metrics_of(out):
+    return [json.loads(x) for x in open(out / "metrics.jsonl")]
+
+
 def test_two_ranks_and_other_micro_batches_equal_one_process(tiny, tmp_path):
+    """With silencing active (tau_p 0.9) and micro-batches of 64 tokens (the ranks run unequal numbers
+    of them), two ranks give the model and every metric of one process. A per-rank tau_h, a per-rank
+    denominator, or a count summed over ranks twice breaks this."""
     d, _ = tiny
-    run(args_for(d, tmp_path / "one", "--steps", "3"))
-    run(args_for(d, tmp_path / "two", "--steps", "3"), nproc=2)
-    run(args_for(d, tmp_path / "micro", "--steps", "3", "--micro-tokens", "64"))
+    common = ("--steps", "3", "--tau-p", "0.9", "--micro-tokens", "64")
+    run(args_for(d, tmp_path / "one", *common))
+    run(args_for(d, tmp_path / "two", *common), nproc=2)
+    run(args_for(d, tmp_path / "big", *common[:4], "--micro-tokens", "512"))
     one = load_params(tmp_path / "one" / "model")
     assert_same_params(one, load_params(tmp_path / "two" / "model"))
-    assert_same_params(one, load_params(tmp_path / "micro" / "model"))
+    assert_same_params(one, load_params(tmp_path / "big" / "model"))
     assert not torch.allclose(one["lm_head.weight"], load_params(d / "model")["lm_head.weight"])  # it trained
-    m1 = [json.loads(x) for x in open(tmp_path / "one" / "metrics.jsonl")]
-    m2 = [json.loads(x) for x in open(tmp_path / "two" / "metrics.jsonl")]
-    assert [x["reward_mean"] for x in m1] == [x["reward_mean"] for x in m2]
-    assert [x["response_len_mean"] for x in m1] == [x["response_len_mean"] for x in m2]
+    m1 = metrics_of(tmp_path / "one")
+    assert sum(x["silenced_frac"] > 0 for x in m1) >= 2 and all(x["candidates"] > 0 for x in m1)  # S2T at work
+    assert_same_metrics(m1, metrics_of(tmp_path / "two"))
+    assert_same_metrics(m1, metrics_of(tmp_path / "big"))
 
 
-def test_resume_equals_uninterrupted(tiny, tmp_path):
+def test_resume_equals_uninterrupted_across_world_sizes_and_preemption(tiny, tmp_path):
+    """A 1-rank run saves at step 2, runs on to step 3 and is preempted; it resumes on 2 ranks. The model
+    equals an uninterrupted run's, and metrics.jsonl holds each step once."""
     d, _ = tiny
-    stapo.train(stapo.get_args(args_for(d, tmp_path / "full", "--steps", "4")))
-    stapo.train(stapo.get_args(args_for(d, tmp_path / "cut", "--steps", "2", "--save-every", "2")))
-    assert os.path.isdir(tmp_path / "cut" / "ckpt" / "step_2" / "hf")
-    assert not any(p.endswith(".tmp") for p in os.listdir(tmp_path / "cut" / "ckpt"))
-    stapo.train(stapo.get_args(args_for(d, tmp_path / "cut", "--steps", "4", "--save-every", "2", "--resume")))
+    common = ("--tau-p", "0.9", "--save-every", "2")
+    run(args_for(d, tmp_path / "full", "--steps", "4", *common))
+    run(args_for(d, tmp_path / "cut", "--steps", "3", *common))  # step 3 is lost: no checkpoint after it
+    assert sorted(os.listdir(tmp_path / "cut" / "ckpt")) == ["step_2"]
+    run(args_for(d, tmp_path / "cut", "--steps", "4", *common, "--resume"), nproc=2)
     assert_same_params(load_params(tmp_path / "full" / "model"), load_params(tmp_path / "cut" / "model"))
-    full = [json.loads(x) for x in open(tmp_path / "full" / "metrics.jsonl")]
-    cut = [json.loads(x) for x in open(tmp_path / "cut" / "metrics.jsonl")]
-    assert [x["step"] for x in cut] == [1, 2, 3, 4]
-    for a, b in zip(full[2:], cut[2:]):
-        assert a["reward_mean"] == b["reward_mean"] and a["lr"] == b["lr"]
-        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
+    assert [x["step"] for x in metrics_of(tmp_path / "cut")] == [1, 2, 3, 4]
+    assert_same_metrics(metrics_of(tmp_path / "full"), metrics_of(tmp_path / "cut"))
     state = json.load(open(tmp_path / "cut" / "ckpt" / "step_4" / "state.json"))
     assert state == {"step": 4, "data_position": 16}
+
+
+def test_a_crash_mid_save_keeps_the_previous_checkpoint(tiny, tmp_path, monkeypatch):
+    """Killed while writing step 4's checkpoint: step 2's is intact, and --resume from it reaches the
+    uninterrupted run's model. Checkpoints beyond --keep-ckpts are removed, oldest first."""
+    d, _ = tiny
+    stapo.train(stapo.get_args(args_for(d, tmp_path / "full", "--steps", "4")))
+    real_save_hf = stapo.save_hf
+
+    def dies_in_step_4(policy, tok, path, rank):
+        if "step_4" in path:
+            raise KeyboardInterrupt("killed mid-save")
+        real_save_hf(policy, tok, path, rank)
+    monkeypatch.setattr(stapo, "save_hf", dies_in_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        stapo.train(stapo.get_args(args_for(d, tmp_path / "cut", "--steps", "4", "--save-every", "2")))
+    assert sorted(os.listdir(tmp_path / "cut" / "ckpt")) == ["step_2", "step_4.tmp"]
+    monkeypatch.setattr(stapo, "save_hf", real_save_hf)
+    stapo.train(stapo.get_args(args_for(d, tmp_path / "cut", "--steps", "4", "--save-every", "2", "--keep-ckpts", "1",
+                                        "--resume")))
+    assert sorted(os.listdir(tmp_path / "cut" / "ckpt")) == ["step_4"]
+    assert_same_params(load_params(tmp_path / "full" / "model"), load_params(tmp_path / "cut" / "model"))
+    assert [x["step"] for x in metrics_of(tmp_path / "cut")] == [1, 2, 3, 4]
 
 
 def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path):
@@ -100,10 +146,12 @@ def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path):
 
 # ---- one step on controlled samples ---------------------------------------------------------------------
 
-class FixedEngine:
-    """Returns the samples it is given, whatever it is asked: for degenerate-batch tests."""
+class FixedEngine(HFEngine):
+    """Returns the samples it is given, whatever it is asked: for degenerate-batch tests. Its weights
+    (for the sync's self-check) are a real HF copy."""
 
-    def __init__(self, groups):
+    def __init__(self, groups, model_path, tok):
+        super().__init__(model_path, torch.device("cpu"), torch.float32, tok.eos_token_id)
         self.groups, self.synced = groups, 0
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
@@ -111,10 +159,9 @@ class FixedEngine:
         return self.groups
 
     def load_weights(self, named):
-        self.synced += sum(1 for _ in named)
-
-    def sleep(self):
-        pass
+        named = list(named)
+        self.synced += len(named)
+        super().load_weights(named)
 
 
 def test_degenerate_batches_give_finite_steps(tiny, tmp_path):
@@ -131,11 +178,11 @@ def test_degenerate_batches_give_finite_steps(tiny, tmp_path):
               [Sample(ids("\\boxed{98}"), "stop")] * 4,                      # all wrong: zero advantage
               [Sample([], "stop")] * 2 + [Sample(ids(f"\\boxed{{{data[2][1]}}}"), "stop")] * 2,  # empty
               [Sample(wrong[:3], "length")] * 3 + [Sample(ids(f"\\boxed{{{data[3][1]}}}"), "stop")]]  # truncated
-    engine = FixedEngine(groups)
+    engine = FixedEngine(groups, args.model, tok)
     before = {k: v.full_tensor().clone() for k, v in policy.state_dict().items()}
     for method in ("stapo", "justrl", "grpo", "entropy20"):
         args.method = method
-        metrics, _ = stapo.train_step(0, policy, opt, engine, tok, prompts, args, device)
+        metrics, _ = stapo.train_step(0, policy, opt, engine, tok, prompts, args, device, PROBE)
         assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
         assert metrics["zero_variance_groups"] == 0.5 and metrics["truncated"] == 3 / 16
         assert metrics["response_len_mean"] == sum(len(s.tokens) for g in groups for s in g) / 16
@@ -146,7 +193,7 @@ def test_degenerate_batches_give_finite_steps(tiny, tmp_path):
 
     # all groups degenerate: zero advantages everywhere, a zero loss, and a step that does not crash
     engine.groups = [[Sample(right, "stop")] * 4] * 4
-    metrics, _ = stapo.train_step(1, policy, opt, engine, tok, prompts, args, device)
+    metrics, _ = stapo.train_step(1, policy, opt, engine, tok, prompts, args, device, PROBE)
     assert metrics["zero_variance_groups"] == 1.0 and metrics["grad_norm"] == 0.0
 
 
@@ -216,9 +263,9 @@ def test_prompt_suffix_and_chat_template(tiny):
     _, tok = tiny
     ids = stapo.encode_prompt(tok, "What is 1 + 2?")
     text = tok.decode(ids)
-    assert text.startswith("<|im_start|>user\nWhat is 1 + 2?" + stapo.SUFFIX) and text.endswith("assistant\n")
+    assert text.startswith("<|im_start|>user\nWhat is 1 + 2?" + rollout.SUFFIX) and text.endswith("assistant\n")
     raw = tok.decode(stapo.encode_prompt(tok, "What is 1 + 2?", chat_template=False))
-    assert raw == "What is 1 + 2?" + stapo.SUFFIX
+    assert raw == "What is 1 + 2?" + rollout.SUFFIX
 
 
 def test_bad_split_is_an_error(tiny, tmp_path):
@@ -239,3 +286,64 @@ def test_step_prompts_split_by_minibatch_and_cover_each_epoch_once():
     for epoch in (0, 1):  # steps 2 spans the epoch boundary; each epoch is a permutation of the data
         assert sorted(p for g, p, _ in flat if g // 10 == epoch) == sorted(p for p, _ in data)
     assert [p for g, p, _ in flat[:10]] != [p for g, p, _ in flat[10:]]  # reshuffled each epoch
+
+
+def test_a_model_whose_logits_policy_would_get_wrong_is_refused(tmp_path):
+    """Gemma-2 soft-caps its logits: Policy's hidden @ lm_head.weight would silently give wrong log-probs."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    cfg = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16)
+    Gemma2ForCausalLM(cfg).save_pretrained(tmp_path / "gemma2")
+    _, _, device, mesh = stapo.init_distributed()
+    with pytest.raises(ValueError, match=r"gemma2: its logits are not hidden @ lm_head.weight "
+                                         r"\(final_logit_softcapping=30.0\)"):
+        stapo.build_policy(str(tmp_path / "gemma2"), mesh, device)
+
+
+def test_the_hf_export_keeps_the_checkpoint_dtype(tiny, tmp_path):
+    """Trained in fp32, exported in the dtype the starting checkpoint declares (Qwen3 ships bf16)."""
+    from transformers import AutoModelForCausalLM
+    d, _ = tiny
+    AutoModelForCausalLM.from_pretrained(d / "model", dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (tmp_path / "bf16" / f).write_bytes((d / "model" / f).read_bytes())
+    stapo.train(stapo.get_args(args_for(d, tmp_path / "run", "--model", str(tmp_path / "bf16"), "--steps", "1")))
+    out = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
+    assert json.load(open(tmp_path / "run" / "model" / "config.json"))["dtype"] == "bfloat16"
+    assert out.lm_head.weight.dtype == torch.bfloat16
+
+
+TWO_RANK_WEIGHTS = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import stapo
+rank, world, _, _ = stapo.init_distributed()
+g = torch.Generator().manual_seed(0)
+logp, ent = -torch.rand(8, 5, generator=g) * 4, torch.rand(8, 5, generator=g) * 3
+adv, valid = torch.randn(8, generator=g), torch.rand(8, 5, generator=g) < 0.8
+args = stapo.get_args(["--tau-p", "0.5", "--q", "0.6"])
+rows = slice(0, 8) if world == 1 else [slice(0, 2), slice(2, 8)][rank]  # unequal shares
+out = {}
+for method in ("stapo", "entropy20", "justrl", "grpo"):
+    keep, denom, s2t = stapo.token_weights(method, logp[rows], ent[rows], adv[rows], valid[rows], args)
+    out[method] = {"keep": stapo.gather(keep.float().tolist()), "denom": denom,
+                   "tau_h": s2t and s2t["tau_h"], "candidates": s2t and s2t["candidates"]}
+if rank == 0:
+    json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+def test_token_weights_on_two_ranks_equal_one_process(tmp_path):
+    """Each rank holds a different, unequal share of a mini-batch: the keep mask, the denominator, tau_h
+    and the candidate count must be those of one process holding all of it (a per-rank quantile fails)."""
+    (tmp_path / "w.py").write_text(TWO_RANK_WEIGHTS)
+    run_py = [sys.executable, str(tmp_path / "w.py"), ROOT]
+    subprocess.run(run_py + [str(tmp_path / "one.json")], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    *run_py[1:], str(tmp_path / "two.json")], check=True, timeout=300)
+    one, two = (json.load(open(tmp_path / f)) for f in ("one.json", "two.json"))
+    for method in one:
+        assert sum(two[method]["keep"], []) == one[method]["keep"][0], method
+        assert two[method]["denom"] == one[method]["denom"], method
+    assert two["stapo"]["tau_h"] == pytest.approx(one["stapo"]["tau_h"]) and one["stapo"]["candidates"] >= 4
+    assert 0 < sum(map(sum, one["stapo"]["keep"][0])) < sum(map(sum, one["justrl"]["keep"][0]))  # some silenced

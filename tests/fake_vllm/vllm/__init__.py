@@ -1,76 +1,53 @@
-"""A fake `vllm` for CPU tests: `LLM` and `SamplingParams` with the call shapes VLLMEngine uses.
+"""A fake `vllm` for what vLLM's CPU build cannot show: the GPU path's sleep/wake order.
 
-Every call is recorded in CALLS, in order. Sampling is real (HF generate on the model the engine was
-built from, with the weights that load_weights wrote), and so are the log-probs it reports, so
-training steps through rollout.VLLMEngine are real steps. FAULTS["stale"] makes load_weights drop
-what it is given, as a broken name mapping would.
+Every call is recorded in CALLS, in order. It enforces the real limits that the GPU path would hit:
+sleep needs enable_sleep_mode, a sleeping engine cannot generate, wake_up needs a sleeping engine, and
+allowed_token_ids is capped at 1,024 (MAX_NUM_ALLOWED_TOKEN_IDS in vLLM 0.32's default model runner).
+Generation returns fixed tokens: the real engine's sampling is tested against vLLM's CPU build.
 """
 from types import SimpleNamespace
 
-import torch
-
-CALLS, FAULTS = [], {"stale": False}
+CALLS = []
+MAX_NUM_ALLOWED_TOKEN_IDS = 1024
 
 
 class SamplingParams:
     def __init__(self, **kw):
+        if len(kw.get("allowed_token_ids") or []) > MAX_NUM_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_NUM_ALLOWED_TOKEN_IDS} allowed_token_ids")
         self.kw = kw
-
-
-class _Runner:
-    def __init__(self, hf):
-        self.hf = hf
-
-    def load_weights(self, weights):
-        params = dict(self.hf.named_parameters())
-        for name, tensor in weights:
-            CALLS.append(("load_weights", name, tensor.detach().clone()))
-            if not FAULTS["stale"]:
-                params[name].data.copy_(tensor)
 
 
 class LLM:
     def __init__(self, model, **kwargs):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
         CALLS.append(("LLM", {"model": model, **kwargs}))
-        self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-        if kwargs.get("load_format") == "dummy":
-            for p in self.hf.parameters():
-                torch.nn.init.uniform_(p.data, -1e-3, 1e-3)
-        self.eos = AutoTokenizer.from_pretrained(model).eos_token_id
-        runner = SimpleNamespace(model=_Runner(self.hf))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)))
+        self.kwargs, self.asleep = kwargs, set()
 
     def sleep(self, level=1):
+        if not self.kwargs.get("enable_sleep_mode"):
+            raise ValueError("Sleep mode is not enabled")
         CALLS.append(("sleep", level))
+        self.asleep = {"weights", "kv_cache"}
 
     def wake_up(self, tags=None):
-        CALLS.append(("wake_up", tuple(tags or ())))
+        tags = set(tags or ("weights", "kv_cache"))
+        if not tags <= self.asleep:
+            raise RuntimeError(f"wake_up({sorted(tags)}) on an engine that is not asleep")
+        CALLS.append(("wake_up", tuple(sorted(tags))))
+        self.asleep -= tags
+
+    def collective_rpc(self, method, kwargs=None):
+        CALLS.append(("collective_rpc", method, [name for name, _ in kwargs["weights_iterator"]]))
+        return [None]
 
     def reset_prefix_cache(self):
         CALLS.append(("reset_prefix_cache",))
 
-    def apply_model(self, func):
-        return [func(self.hf)]
-
-    @torch.no_grad()
     def generate(self, prompts, sampling_params, use_tqdm=True):
-        CALLS.append(("generate", [p["prompt_token_ids"] for p in prompts], [sp.kw for sp in sampling_params]))
-        outs = []
-        for prompt, sp in zip(prompts, sampling_params):
-            kw, ids = sp.kw, prompt["prompt_token_ids"]
-            torch.manual_seed(kw["seed"])
-            seqs = self.hf.generate(input_ids=torch.tensor([ids] * kw["n"]), attention_mask=torch.ones(kw["n"], len(ids)),
-                                    do_sample=True, temperature=kw["temperature"], top_p=kw["top_p"], top_k=0,
-                                    max_new_tokens=kw["max_tokens"], eos_token_id=self.eos, pad_token_id=self.eos)
-            completions = []
-            for seq in seqs.tolist():
-                out = seq[len(ids):]
-                stop = out.index(self.eos) + 1 if self.eos in out else None
-                out = out[:stop]
-                logits = self.hf(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1] / kw["temperature"]
-                lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(out)[:, None])[:, 0].tolist()
-                completions.append(SimpleNamespace(token_ids=out, finish_reason="stop" if stop else "length",
-                                                   logprobs=[{t: SimpleNamespace(logprob=v)} for t, v in zip(out, lp)]))
-            outs.append(SimpleNamespace(outputs=completions))
-        return outs
+        if self.asleep:
+            raise RuntimeError("generate on a sleeping engine")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+        CALLS.append(("generate", [p["prompt_token_ids"] for p in prompts], [sp.kw for sp in params]))
+        done = SimpleNamespace(token_ids=[1, 2], finish_reason="stop",
+                               logprobs=[{1: SimpleNamespace(logprob=-0.5)}, {2: SimpleNamespace(logprob=-0.25)}])
+        return [SimpleNamespace(outputs=[done] * sp.kw.get("n", 1)) for sp in params]

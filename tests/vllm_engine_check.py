@@ -1,0 +1,102 @@
+"""Drives rollout.VLLMEngine on vLLM's CPU build, in a plain process (no torchrun), and writes what it saw
+as JSON. Run by tests/test_vllm.py in a subprocess: vLLM's CPU worker rebinds threads and memory for the
+rest of the process that builds it.
+
+    python tests/vllm_engine_check.py MODEL OUT.json synced    # dummy load, then the trainer's sync
+    python tests/vllm_engine_check.py MODEL OUT.json loaded    # an engine that loaded MODEL normally
+"""
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import stapo  # noqa: E402
+from rollout import VLLMEngine, encode_prompt  # noqa: E402
+
+PROMPTS = ["What is 1 + 2?", "What is 7 + 5?"]
+SEEDS = [stapo.seed_of(0, 0, 0), stapo.seed_of(0, 0, 1)]
+
+
+def sample(engine, tok, prompts, seeds):
+    groups = engine.generate([encode_prompt(tok, p) for p in prompts], 3, 1.0, 1.0, 8, seeds)
+    return [[s.tokens for s in group] for group in groups]
+
+
+def perturbed(policy, scale):
+    """The policy's parameters plus seeded noise: a stand-in for trained weights."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in policy.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.add_(scale * torch.randn(local.shape, generator=g))
+
+
+def main(model, out, mode):
+    from transformers import AutoTokenizer
+    rank, world, device, mesh = stapo.init_distributed()
+    tok = AutoTokenizer.from_pretrained(model)
+    engine = VLLMEngine(model, tok, 128, 0.5, for_training=mode == "synced")
+    seen = {"rank_env": os.environ.get("RANK")}
+    probe = encode_prompt(tok, "What is 1 + 1?")
+    if mode == "loaded":
+        seen["tokens"] = sample(engine, tok, PROMPTS, SEEDS)
+        return json.dump(seen, open(out, "w"))
+
+    # the first sync replaces the dummy weights; the probe then matches the trainer to float precision
+    policy = stapo.build_policy(model, mesh, device)
+    seen["dummy_probe_gap"] = max(abs(a - b) for a, b in zip(engine.logprobs_of(probe), stapo_logprobs(policy, probe)))
+    seen["first_gap"] = stapo.sync_engine(engine, policy, probe, device)
+    seen["tokens"] = sample(engine, tok, PROMPTS, SEEDS)
+    seen["alone"] = sample(engine, tok, PROMPTS[1:], SEEDS[1:])  # a request's samples ignore the batch
+
+    # A -> B -> A: every sync is complete and exact
+    perturbed(policy, 0.05)
+    seen["b_gap"] = stapo.sync_engine(engine, policy, probe, device)
+    seen["tokens_b"] = sample(engine, tok, PROMPTS, SEEDS)
+    perturbed(policy, -0.05)
+    seen["back_gap"] = stapo.sync_engine(engine, policy, probe, device)
+    seen["tokens_again"] = sample(engine, tok, PROMPTS, SEEDS)
+
+    # faulty syncs: the trainer moves on, the engine is left behind, and the self-check must say so
+    perturbed(policy, 0.05)
+    seen["caught"] = {}
+    for name, push in faulty_pushes(engine).items():
+        engine.load_weights = push
+        try:
+            stapo.sync_engine(engine, policy, probe, device)
+            seen["caught"][name] = "not caught"
+        except Exception as e:  # noqa: BLE001  (what it raised is the result)
+            seen["caught"][name] = f"{type(e).__name__}: {e}"
+        del engine.load_weights
+    json.dump(seen, open(out, "w"))
+
+
+def stapo_logprobs(policy, probe):
+    rows, valid = [(probe[:1], probe[1:])], torch.ones(1, len(probe) - 1, dtype=torch.bool)
+    with torch.no_grad():
+        return stapo.forward(policy, rows, [0], valid, 1.0, torch.device("cpu"))[0][0].tolist()
+
+
+def faulty_pushes(engine):
+    real = engine.load_weights
+
+    def stale(named):  # the weights are gathered (a collective), and never reach vLLM
+        for _ in named:
+            pass
+
+    def partial(named):  # stops before the final norm and lm_head
+        real(list(named)[:-2])
+
+    def lm_head_via_model_load_weights(named):  # the previous sync, which the CPU build's repacking defeats
+        named = list(named)
+        real([(n, t) for n, t in named if n != "lm_head.weight"])
+        engine.llm.apply_model(lambda model: model.load_weights([(n, t) for n, t in named if n == "lm_head.weight"]))
+
+    return {"stale": stale, "partial": partial, "lm_head_via_model_load_weights": lm_head_via_model_load_weights}
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
