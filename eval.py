@@ -94,7 +94,8 @@ def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0
         golds = [p["answer"] for p in problems for _ in range(k)]
         for j, (text, gold, s) in enumerate(zip(texts, golds, score_all(texts, golds))):
             sample = outs[j // k][j % k]
-            records.append({"benchmark": name, "id": problems[j // k]["id"], "sample": j % k, "completion": text,
+            records.append({"benchmark": name, "id": problems[j // k]["id"], "sample": j % k,
+                            "problem": problems[j // k]["problem"], "completion": text,
                             "extracted": extract_boxed(text), "gold": gold, "correct": s > 0,
                             "length": len(sample.tokens), "finish_reason": sample.finish_reason})
     return records

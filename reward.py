@@ -184,6 +184,7 @@ def structure(s):
 def is_equivalent(pred, gold, timeout=5.0):
     """Are two final answers (LaTeX, maybe in $..$, \\(..\\), \\[..\\]) mathematically the same?"""
     try:
+        _worker()  # started before the clock: its start-up (seconds on a busy machine) is not the check's time
         return _equal(normalize(pred), normalize(gold), time.monotonic() + timeout)
     except Exception:  # absurd input, parse errors, timeouts: not equivalent
         return False
@@ -429,10 +430,16 @@ class _Worker:
     __del__ = close
 
 
-def _ask_worker(a, b, deadline):
+def _worker():
+    """This thread's sympy worker, started (or restarted after a timeout) on demand."""
     w = getattr(_local, "worker", None)
     if w is None or w.proc.poll() is not None:
         w = _local.worker = _Worker()
+    return w
+
+
+def _ask_worker(a, b, deadline):
+    w = _worker()
     w.proc.stdin.write(json.dumps([a, b]) + "\n")
     w.proc.stdin.flush()
     if not select.select([w.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:

@@ -18,6 +18,9 @@ import torch
 import torch.distributed as dist
 
 SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the "
+               "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+DAPO_SUFFIX = "\n\nRemember to put your answer on its own line after \"Answer:\"."
 
 
 # ---- prompts and data ----------------------------------------------------------------------------------
@@ -29,6 +32,16 @@ def encode_prompt(tok, problem, chat_template=True, enable_thinking=False):
         text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                        add_generation_prompt=True, enable_thinking=enable_thinking)
     return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_problems(tok, problems, max_prompt_len, chat_template=True, enable_thinking=False):
+    """[(prompt ids, answer)] for (problem, answer) pairs, dropping prompts longer than max_prompt_len."""
+    out = []
+    for problem, answer in problems:
+        ids = encode_prompt(tok, problem, chat_template, enable_thinking)
+        if len(ids) <= max_prompt_len:
+            out.append((ids, answer))
+    return out
 
 
 def read_jsonl(path, fields=()):
@@ -50,6 +63,70 @@ def read_jsonl(path, fields=()):
                 raise ValueError(f"{path}:{i}: missing field {missing[0]!r}")
             rows.append((f"{path}:{i}", row))
     return rows
+
+
+def append_jsonl(path, records):
+    with open(path, "a") as f:
+        f.writelines(json.dumps(record) + "\n" for record in records)
+
+
+def drop_steps_after(path, step):
+    """Cut a log back to the checkpoint's step: a resumed run re-runs (and re-logs) the steps after it."""
+    if os.path.exists(path):
+        kept = [line for line in open(path) if json.loads(line)["step"] <= step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+
+
+def _problem_answer(row, where):
+    if "prompt" not in row:
+        missing = [k for k in ("problem", "answer") if row.get(k) is None]
+        if missing:
+            raise ValueError(f"{where}: missing field {missing[0]!r}")
+        return row["problem"], str(row["answer"])
+    try:  # DAPO-Math-17k's own schema: the problem inside its instruction wrapper, the gold in reward_model
+        content, gold = row["prompt"][0]["content"], str(row["reward_model"]["ground_truth"])
+    except (KeyError, IndexError, TypeError):
+        raise ValueError(f"{where}: missing field 'prompt[0].content' or 'reward_model.ground_truth'") from None
+    if content.startswith(DAPO_PREFIX) and content.endswith(DAPO_SUFFIX):
+        content = content[len(DAPO_PREFIX):len(content) - len(DAPO_SUFFIX)]
+    return content, gold
+
+
+def load_problems(spec):
+    """[(problem, answer)] from a local .jsonl/.parquet or a Hub dataset, duplicates of a problem dropped."""
+    if spec.endswith(".jsonl"):
+        rows = read_jsonl(spec)
+    else:
+        import datasets
+        if spec.endswith(".parquet"):
+            ds = datasets.load_dataset("parquet", data_files=spec)["train"]
+        else:
+            ds = datasets.load_dataset(spec, split="train")
+        rows = [(f"{spec}: row {i}", r) for i, r in enumerate(ds)]
+    seen, out = set(), []
+    for where, row in rows:
+        problem, answer = _problem_answer(row, where)
+        if problem not in seen:
+            seen.add(problem)
+            out.append((problem, answer))
+    return out
+
+
+def step_prompts(data, step, args, rank, world):
+    """This rank's share of step `step`'s prompts, mini-batch by mini-batch: mini-batch b is the same
+    block of prompts whatever the world size. The data is shuffled anew (seeded) every epoch."""
+    per_mb, n = args.prompts_per_step // args.minibatches, len(data)
+    first_epoch = step * args.prompts_per_step // n
+    last_epoch = ((step + 1) * args.prompts_per_step - 1) // n
+    orders = {e: torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 7919 + e))
+              for e in range(first_epoch, last_epoch + 1)}
+    out = []
+    for b in range(args.minibatches):
+        first = step * args.prompts_per_step + b * per_mb + rank * (per_mb // world)
+        for g in range(first, first + per_mb // world):
+            out.append((g, *data[int(orders[g // n][g % n])]))
+    return out
 
 
 def seed_of(*parts):
@@ -85,6 +162,18 @@ def gather(obj):
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, obj)
     return parts
+
+
+def all_sum(*xs, op=dist.ReduceOp.SUM):
+    """Sums (or another op) over ranks of a few numbers: a CPU tensor, which gloo carries also on GPU."""
+    t = torch.tensor([float(x) for x in xs], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def gather_cat(x):
+    """Concatenate a 1-D tensor of any length from every rank."""
+    return torch.cat(gather(x.cpu()))
 
 
 # ---- the engines -----------------------------------------------------------------------------------------
@@ -181,6 +270,8 @@ class VLLMEngine:
         """No allowed_token_ids: the trainer's log-probs are over the whole embedding, padded rows
         included, so the sampler must draw from that same distribution (and vLLM caps the list at 1,024)."""
         from vllm import SamplingParams
+        if not prompts:
+            return []
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=-1, max_tokens=max_tokens,
                                  logprobs=0, seed=seed, detokenize=False) for seed in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)

@@ -1,9 +1,7 @@
 """STAPO: Spurious-Token-Aware Policy Optimization (arXiv 2602.15620), the reference trainer.
 
-Read top to bottom: first the algorithm as four pure functions that need only torch (copy them freely),
-then the trainer that runs them with FSDP2 under torchrun:
-
-    torchrun --nproc_per_node 8 stapo.py --model Qwen/Qwen3-8B
+Read top to bottom: first the algorithm as pure functions that need only torch (copy them freely), then
+the trainer that runs them with FSDP2 under torchrun: `torchrun --nproc_per_node 8 stapo.py`.
 
 The paper's recipe is JustRL's (GRPO group advantages, clip-higher, dual clip, token-mean loss, no KL,
 no entropy bonus) plus the S2T mask, which silences the rare "spurious" tokens: tokens of correct answers
@@ -163,48 +161,21 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
-from rollout import encode_prompt, gather, init_distributed, read_jsonl, seed_of  # noqa: E402
-
-DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the "
-               "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
-DAPO_SUFFIX = "\n\nRemember to put your answer on its own line after \"Answer:\"."
+from rollout import (all_sum, append_jsonl, drop_steps_after, encode_problems, encode_prompt,  # noqa: E402
+                     gather, gather_cat, init_distributed, load_problems, seed_of, step_prompts)
 
 # Every setting is a flag (--prompts-per-step 256 ...). The defaults are the paper's: JustRL's recipe + S2T
-# on Qwen3-8B-Base (README: The paper's settings).
+# on Qwen3-8B-Base (README: The paper's settings). One line per part of the recipe.
 CONFIG = dict(
-    model="Qwen/Qwen3-8B-Base",
-    dataset="BytedTsinghua-SIA/DAPO-Math-17k",
-    out="runs/stapo",
-    method="stapo",
-    steps=1000,
-    prompts_per_step=256,         # batch shape
-    group_size=8,
-    minibatches=4,
-    micro_tokens=16384,
-    max_prompt_len=1024,          # rollout
-    max_response_len=15360,
-    temperature=1.0,
-    top_p=1.0,
-    lr=1e-6,                      # AdamW
-    warmup_steps=10,
-    weight_decay=0.1,
-    grad_clip=1.0,
-    eps_low=0.2,                  # clip-higher and dual clip
-    eps_high=0.28,
-    clip_c=10.0,
-    tau_p=0.002,                  # S2T
-    q=0.75,
-    engine="auto",                # infrastructure
-    gpu_memory_utilization=0.6,
-    save_every=50,
-    keep_ckpts=2,
-    seed=0,
-    eval_every=0,                 # evaluation during training (0: never)
-    eval_benchmarks="aime24,math500",
-    eval_samples=0,               # 0: the paper's k per benchmark
-    eval_max_tokens=20480,
-    eval_data_dir="",
-)
+    model="Qwen/Qwen3-8B-Base", dataset="BytedTsinghua-SIA/DAPO-Math-17k", out="runs/stapo", method="stapo",
+    steps=1000, prompts_per_step=256, group_size=8, minibatches=4, micro_tokens=16384,   # batch shape
+    max_prompt_len=1024, max_response_len=15360, temperature=1.0, top_p=1.0,              # rollout
+    lr=1e-6, warmup_steps=10, weight_decay=0.1, grad_clip=1.0,                             # AdamW
+    eps_low=0.2, eps_high=0.28, clip_c=10.0,                                               # clip-higher, dual clip
+    tau_p=0.002, q=0.75,                                                                   # S2T
+    engine="auto", gpu_memory_utilization=0.6, save_every=50, keep_ckpts=2, seed=0,        # infrastructure
+    eval_every=0, eval_benchmarks="aime24,math500", eval_samples=0, eval_max_tokens=20480,  # 0 samples: paper's k
+    eval_data_dir="")
 CHOICES = {"method": ["stapo", "justrl", "grpo", "entropy20"], "engine": ["auto", "vllm", "hf"]}
 
 
@@ -216,79 +187,6 @@ def get_args(argv=None):
         p.add_argument(flag, action="store_true")
     p.add_argument("--no-chat-template", dest="chat_template", action="store_false")
     return p.parse_args(argv)
-
-
-# ---- collectives --------------------------------------------------------------------------------------
-
-def all_sum(*xs):
-    """Sums over ranks of a few numbers (a CPU tensor: gloo carries it, also on GPU)."""
-    t = torch.tensor([float(x) for x in xs], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_max(*xs):
-    t = torch.tensor([float(x) for x in xs], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def gather_cat(x):
-    """Concatenate a 1-D tensor of any length from every rank."""
-    return torch.cat(gather(x.cpu()))
-
-
-# ---- data ---------------------------------------------------------------------------------------------
-
-def _problem_answer(row, where):
-    if "prompt" not in row:
-        missing = [k for k in ("problem", "answer") if row.get(k) is None]
-        if missing:
-            raise ValueError(f"{where}: missing field {missing[0]!r}")
-        return row["problem"], str(row["answer"])
-    try:  # DAPO-Math-17k's own schema: the problem inside its instruction wrapper, the gold in reward_model
-        content, gold = row["prompt"][0]["content"], str(row["reward_model"]["ground_truth"])
-    except (KeyError, IndexError, TypeError):
-        raise ValueError(f"{where}: missing field 'prompt[0].content' or 'reward_model.ground_truth'") from None
-    if content.startswith(DAPO_PREFIX) and content.endswith(DAPO_SUFFIX):
-        content = content[len(DAPO_PREFIX):len(content) - len(DAPO_SUFFIX)]
-    return content, gold
-
-
-def load_problems(spec):
-    """[(problem, answer)] from a local .jsonl/.parquet or a Hub dataset, duplicates of a problem dropped."""
-    if spec.endswith(".jsonl"):
-        rows = read_jsonl(spec)
-    else:
-        import datasets
-        if spec.endswith(".parquet"):
-            ds = datasets.load_dataset("parquet", data_files=spec)["train"]
-        else:
-            ds = datasets.load_dataset(spec, split="train")
-        rows = [(f"{spec}: row {i}", r) for i, r in enumerate(ds)]
-    seen, out = set(), []
-    for where, row in rows:
-        problem, answer = _problem_answer(row, where)
-        if problem not in seen:
-            seen.add(problem)
-            out.append((problem, answer))
-    return out
-
-
-def step_prompts(data, step, args, rank, world):
-    """This rank's share of step `step`'s prompts, mini-batch by mini-batch: mini-batch b is the same
-    block of prompts whatever the world size. The data is shuffled anew (seeded) every epoch."""
-    per_mb, n = args.prompts_per_step // args.minibatches, len(data)
-    first_epoch = step * args.prompts_per_step // n
-    last_epoch = ((step + 1) * args.prompts_per_step - 1) // n
-    orders = {e: torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 7919 + e))
-              for e in range(first_epoch, last_epoch + 1)}
-    out = []
-    for b in range(args.minibatches):
-        first = step * args.prompts_per_step + b * per_mb + rank * (per_mb // world)
-        for g in range(first, first + per_mb // world):
-            out.append((g, *data[int(orders[g // n][g % n])]))
-    return out
 
 
 # ---- the model ----------------------------------------------------------------------------------------
@@ -309,10 +207,8 @@ class Policy(torch.nn.Module):
 
 def refuse_unusual_head(lm, path):
     """Policy computes logits as hidden @ lm_head.weight; a model whose own logits differ is refused."""
-    cfg, odd = lm.config, []
-    for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-        if getattr(cfg, key, None) not in (None, 1, 1.0):
-            odd.append(f"{key}={getattr(cfg, key)}")
+    scalings = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+    odd = [f"{k}={getattr(lm.config, k)}" for k in scalings if getattr(lm.config, k, None) not in (None, 1, 1.0)]
     if getattr(lm.get_output_embeddings(), "bias", None) is not None:
         odd.append("an lm_head bias")
     if odd:
@@ -326,10 +222,11 @@ def build_policy(path, mesh, device):
     and the shards are filled by broadcast from it (8 ranks do not hold 8 full copies)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(path)
+    export_dtype = getattr(config, "dtype", None) or torch.float32  # save_hf writes the checkpoint's dtype
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     refuse_unusual_head(lm, path)
-    lm.export_dtype = getattr(config, "dtype", None) or torch.float32  # save_hf writes the checkpoint's dtype
+    lm.export_dtype = export_dtype
     mp = MixedPrecisionPolicy()
     if device.type == "cuda":
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -370,7 +267,7 @@ def micro_batches(rows, idx, budget):
         cur, longest = cur + [i], max(longest, n)
     if cur:
         out.append(cur)
-    count = int(all_max(len(out))[0])
+    count = int(all_sum(len(out), op=dist.ReduceOp.MAX)[0])
     return out + [None] * (count - len(out))
 
 
@@ -495,7 +392,7 @@ class StepMetrics:
 
     def finish(self, step, lr, probe_gap, group_size):
         n = dict(zip(SUMS, all_sum(*self.sums.values())))
-        longest, gap_max = all_max(self.longest, self.gap_max)
+        longest, gap_max = all_sum(self.longest, self.gap_max, op=dist.ReduceOp.MAX)
         step_s = time.time() - self.t0
         return {
             "step": step + 1,
@@ -593,10 +490,9 @@ def save_hf(policy, tok, path, rank):
     from (Qwen3: bf16), and the tokenizer, written by rank 0."""
     sd = get_model_state_dict(policy.lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        dtype, compute_dtype = policy.lm.export_dtype, policy.lm.config.dtype
-        policy.lm.config.dtype = dtype
-        policy.lm.save_pretrained(path, state_dict={k: v.to(dtype) for k, v in sd.items()})
-        policy.lm.config.dtype = compute_dtype
+        policy.lm.save_pretrained(path, state_dict={k: v.to(policy.lm.export_dtype) for k, v in sd.items()})
+        policy.lm.config.dtype = policy.lm.export_dtype  # save_pretrained wrote the fp32 masters' dtype
+        policy.lm.config.save_pretrained(path)
         tok.save_pretrained(path)
 
 
@@ -643,20 +539,6 @@ def load_checkpoint(policy, opt, args):
     return done[-1]
 
 
-def append_jsonl(path, records):
-    with open(path, "a") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
-
-
-def drop_steps_after(path, step):
-    """Cut a log back to the checkpoint's step: a resumed run re-runs (and re-logs) the steps after it."""
-    if os.path.exists(path):
-        kept = [line for line in open(path) if json.loads(line)["step"] <= step]
-        with open(path, "w") as f:
-            f.writelines(kept)
-
-
 # ---- main -----------------------------------------------------------------------------------------------
 
 def train(args):
@@ -668,12 +550,10 @@ def train(args):
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must split evenly into --minibatches "
                          f"{args.minibatches}, each over {world} ranks")
     tok = AutoTokenizer.from_pretrained(args.model)
-    data = []
-    for problem, answer in load_problems(args.dataset):
-        ids = encode_prompt(tok, problem, args.chat_template, args.enable_thinking)
-        if len(ids) <= args.max_prompt_len:
-            data.append((ids, answer))
-    probe = encode_prompt(tok, "What is 1 + 1?", args.chat_template) + tok("\\boxed{2}", add_special_tokens=False)["input_ids"]
+    data = encode_problems(tok, load_problems(args.dataset), args.max_prompt_len, args.chat_template,
+                           args.enable_thinking)
+    probe = encode_prompt(tok, "What is 1 + 1?", args.chat_template)  # the sync's self-check sequence
+    probe += tok.encode("\\boxed{2}", add_special_tokens=False)
     policy = build_policy(args.model, mesh, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=True)
     start = load_checkpoint(policy, opt, args) if args.resume else 0
@@ -700,8 +580,7 @@ def train(args):
                 append_jsonl(logs[1], silenced)
             shown = ("step", "reward_mean", "accuracy", "silenced_frac", "response_len_mean", "entropy_mean",
                      "grad_norm", "step_s")
-            tqdm.write(" ".join(f"{k}={metrics[k]:.4g}" if isinstance(metrics[k], float) else f"{k}={metrics[k]}"
-                                for k in shown))
+            tqdm.write(" ".join(f"{k}={metrics[k]:.4g}" for k in shown))
         if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(step + 1, policy, opt, tok, args, rank)
     save_hf(policy, tok, os.path.join(args.out, "model"), rank)

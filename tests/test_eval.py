@@ -94,7 +94,7 @@ def test_end_to_end_on_the_toy_model_and_compare(tiny, tmp_path):
     assert res["model"] == model and res["preset"] == "train" and res["samples_per_s"] > 0 and res["tokens_per_s"] > 0
     samples = [json.loads(x) for x in open(tmp_path / "a" / "samples.jsonl")]
     assert len(samples) == 6 * 2 * 2
-    assert {"benchmark", "id", "sample", "completion", "extracted", "gold", "correct", "length",
+    assert {"benchmark", "id", "sample", "problem", "completion", "extracted", "gold", "correct", "length",
             "finish_reason"} == samples[0].keys()
     # the table agrees with the samples
     for name in ev.BENCHMARKS:
@@ -190,3 +190,16 @@ def test_the_clis_exit_cleanly_again_and_again_on_a_loaded_machine(tiny, tmp_pat
         for b in burners:
             b.kill()
             b.wait()
+
+
+def test_a_rank_with_no_problems_returns_no_records(tiny, tmp_path):
+    """More ranks than problems after --limit: the idle rank's engine gets no prompts and must not crash
+    (the others would wait for it in the gather)."""
+    d, tok = tiny
+    from rollout import HFEngine
+    import torch
+    engine = HFEngine(str(d / "model"), torch.device("cpu"), torch.float32, tok.eos_token_id)
+    data = six_benchmarks(tmp_path / "data")
+    assert ev.evaluate(engine, tok, ["math500"], 2, 1.0, 1.0, 4, rank=3, world=4, data_dir=str(data), limit=2) == []
+    assert len(ev.evaluate(engine, tok, ["math500"], 2, 1.0, 1.0, 4, rank=1, world=4, data_dir=str(data),
+                           limit=2)) == 2

@@ -180,3 +180,19 @@ def test_fuzz_never_raises_and_returns_within_timeout(a, b):
 def test_fuzz_arbitrary_text(a):
     assert isinstance(is_equivalent(a, "1", timeout=1.0), bool)
     assert isinstance(extract_boxed(a), (str, type(None)))
+
+
+def test_worker_start_up_never_eats_a_checks_timeout(monkeypatch):
+    """A fresh worker can take seconds to start on a busy machine: a right answer that needs sympy must
+    still be judged right within a 1 s timeout when the start takes 2 s."""
+    real_init = reward._Worker.__init__
+
+    def slow_init(self):
+        time.sleep(2.0)
+        real_init(self)
+    monkeypatch.setattr(reward._Worker, "__init__", slow_init)
+    result = []
+    thread = threading.Thread(target=lambda: result.append(is_equivalent("\\sqrt{8}", "2\\sqrt{2}", timeout=1.0)))
+    thread.start()  # a new thread: no worker yet
+    thread.join()
+    assert result == [True]

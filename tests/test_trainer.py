@@ -236,7 +236,7 @@ def test_local_jsonl_bad_rows_name_file_line_and_field(tmp_path):
         stapo.load_problems(str(p))
     with pytest.raises(ValueError, match=r"x\.jsonl:1: missing field 'answer'"):
         (tmp_path / "x.jsonl").write_text('{"problem": "1"}\n')
-        stapo.read_jsonl(str(tmp_path / "x.jsonl"), ["problem", "answer"])
+        rollout.read_jsonl(str(tmp_path / "x.jsonl"), ["problem", "answer"])
 
 
 def test_parquet_and_dedup(tmp_path):
