@@ -1,4 +1,4 @@
-"""rollout.py: problems in, samples out. The prompt format, the process group, and the two engines.
+"""rollout.py: problems in, samples out. The data and the prompt, the process group, and the two engines.
 
 The trainer and eval.py speak to an engine through four calls:
     engine.generate(prompts, n, temperature, top_p, max_tokens, seeds, progress=False)

@@ -137,7 +137,10 @@ class _ChunkedHead(torch.autograd.Function):
             g = z.sub_(logz[j, None]).exp_().mul_(-grad_logp[j, None])  # -g * softmax(z)
             g = g.scatter_add_(-1, tokens[j, None], grad_logp[j, None]).div_(ctx.temperature).to(weight.dtype)
             grad_h[j] = (g @ weight).to(hidden.dtype)
-            grad_w += g.T @ h  # each chunk's product in the weight's dtype, their sum in fp32
+            if weight.dtype == torch.float32:
+                grad_w.addmm_(g.T, h)  # in place: no [V, D] temporary
+            else:
+                grad_w += g.T @ h  # each chunk's product in bf16, their sum in fp32
         return grad_h, grad_w.to(weight.dtype), None, None, None
 
 
