@@ -1,4 +1,4 @@
-"""The CPU toy learns: a shortened run of examples/toy.py (200 of its 600 steps)."""
+"""The CPU toy learns: a shortened run of examples/toy.py (120 of its 600 steps)."""
 import os
 import sys
 
@@ -8,7 +8,7 @@ import toy  # noqa: E402
 
 
 def test_toy_learns_in_a_shortened_run(tmp_path, capsys):
-    before, after = toy.main(["--out", str(tmp_path), "--steps", "200"])
+    before, after = toy.main(["--out", str(tmp_path), "--steps", "120"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == f"toy: accuracy {before:.2f} -> {after:.2f}"
     assert 0 <= before <= 0.4          # the warm start knows the format, and few of the sums
