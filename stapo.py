@@ -21,7 +21,8 @@ def group_advantages(rewards, group_size, eps=1e-6):
     if group_size < 2:
         raise ValueError(f"group_size must be >= 2 (the std of one sample is undefined), got {group_size}")
     if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be [N] with N a multiple of group_size={group_size}, got {tuple(rewards.shape)}")
+        raise ValueError(f"rewards must be [N] with N a multiple of group_size={group_size}, "
+                         f"got {tuple(rewards.shape)}")
     r = rewards.float().view(-1, group_size)
     adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
     return adv.masked_fill((r == r[:, :1]).all(1, keepdim=True), 0.0).view(-1)

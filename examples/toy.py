@@ -118,4 +118,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # a process group alive at exit can abort the process
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -34,3 +34,10 @@ def tiny_vllm(tmp_path_factory):
     with open(d / "train.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in train)
     return d, tok
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The in-process trainer tests leave a process group; one alive at exit can abort the process."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()

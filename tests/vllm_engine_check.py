@@ -99,4 +99,7 @@ def faulty_pushes(engine):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    try:
+        main(*sys.argv[1:])
+    finally:  # a process group alive at exit can abort the process ("terminate called without an active exception")
+        torch.distributed.destroy_process_group()
