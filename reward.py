@@ -15,7 +15,7 @@ multisets); equations (both sides, or `x = 5` ~ `5` when the left side is a bare
 of one variable become intervals (`x \\ge 2` ~ `[2, \\infty)`, both ways); numbers (exact when both are
 exact; relative tolerance REL_TOL = 1e-4 when either is written as a decimal); else sympy.simplify.
 """
-import atexit, json, os, re, select, subprocess, sys, threading, time, weakref
+import atexit, json, math, os, re, select, subprocess, sys, threading, time, weakref
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
@@ -25,21 +25,65 @@ MAX_LEN, MAX_DEPTH = 1000, 50
 
 # ---- Boxes -----------------------------------------------------------------------------------------------
 
+def _boxes(text):
+    """[(start, end, content)] of every outermost \\boxed{...} / \\fbox{...} / `\\boxed x`, in order."""
+    out, end = [], 0
+    for m in re.finditer(r"\\boxed|\\fbox", text):
+        if m.start() < end:
+            continue  # a box inside the previous box
+        i = m.end()
+        if not text.startswith("{", i):
+            word = re.match(r"\s+([^\s$]+)", text[i:])
+            if word:
+                out.append((m.start(), i + word.end(), word.group(1)))
+                end = i + word.end()
+            continue
+        body, depth = re.sub(r"\\.", "  ", text[i:]), 0  # an escaped \{ or \} cannot open or close the box
+        for j, c in enumerate(body):
+            depth += (c == "{") - (c == "}")
+            if depth == 0:
+                out.append((m.start(), i + j + 1, text[i + 1:i + j].strip()))
+                end = i + j + 1
+                break
+    return out
+
+
+_BETWEEN_BOXES = re.compile(r"[\s$.,;]*(?:(?:\\text\{\s*)?(?:and|or)\s*\}?|\\q?quad)?[\s$.,;]*")
+
+
 def extract_boxed(text):
-    """Content of the last \\boxed{...} / \\fbox{...} (braces balanced), or of `\\boxed x`; None if none."""
-    i = max(text.rfind("\\boxed"), text.rfind("\\fbox")) if isinstance(text, str) else -1
-    if i < 0:
+    """The final boxed answer: the content of the last box, joined with the boxes just before it when only
+    commas or `and` stand between them (`\\boxed{1} and \\boxed{-2}` -> `1, -2`); None if there is no box."""
+    boxes = _boxes(text) if isinstance(text, str) else []
+    if not boxes:
         return None
-    i += len("\\boxed") if text.startswith("\\boxed", i) else len("\\fbox")
-    if not text.startswith("{", i):
-        m = re.match(r"\s+([^\s$]+)", text[i:])
-        return m.group(1) if m else None
-    body, depth = re.sub(r"\\.", "  ", text[i:]), 0  # an escaped \{ or \} cannot open or close the box
-    for j, c in enumerate(body):
-        depth += (c == "{") - (c == "}")
-        if depth == 0:
-            return text[i + 1:i + j].strip()
-    return None
+    last = [boxes.pop()]
+    while boxes and _BETWEEN_BOXES.fullmatch(text[boxes[-1][1]:last[0][0]]):
+        last.insert(0, boxes.pop())
+    return ", ".join(b[2] for b in last)
+
+
+_FINAL = re.compile(r"answer\s*(?:\*\*)?\s*(?:is|:|=)\s*:?\s*(?:\*\*)?\s*(\$\$?[^$]+\$\$?|\\\(.+?\\\)|\\\[.+?\\\]|[^\n]+)",
+                    re.I)
+_CONCLUDES = re.compile(r"(?:therefore|thus|hence|so|finally)\b[^.\n]*?(\$[^$]+\$|\\\(.+?\\\))", re.I)
+
+
+def extract_answer(text):
+    """The final answer of a free-form response, for evaluation tools: the last box(es) first, else the last
+    `answer is X` / `Answer: X`, else the math in the last `Therefore ... $X$` sentence; None if none.
+    score() never uses it: the training reward requires the box."""
+    box = extract_boxed(text)
+    if box is not None or not isinstance(text, str):
+        return box
+    tail = text[-4000:]
+    found = list(_FINAL.finditer(tail)) or list(_CONCLUDES.finditer(tail))
+    if not found:
+        return None
+    answer = found[-1].group(1).strip().rstrip(".").strip().strip("*").strip()
+    for a, b in [("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")]:
+        if answer.startswith(a) and answer.endswith(b) and len(answer) > len(a) + len(b):
+            answer = answer[len(a):-len(b)]
+    return answer.strip() or None
 
 
 def score(completion, gold):
@@ -57,12 +101,57 @@ def score_all(completions, golds):
 
 # ---- Normalisation: pure string work ---------------------------------------------------------------------
 
-_TEXT = r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname)\s*"
+_TEXT = r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mbox|operatorname|rm)\s*"
 _SUBS = [(r"\\left\b|\\right\b|\\displaystyle|\\bigl|\\bigr|\\big\b", ""), (r"\\[dtc]frac", r"\\frac"),
          (r",\\!\s*", ","), (r"(?<!\\)\\!", ""), (r"(?<!\\)\\(?:,|;|:| |quad|qquad)|~", " "),
-         (r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree", ""), (r"\\?%|\\\$|\$", ""), (r"(\d)\s*\{,\s*\}\s*(?=\d)", r"\1,"),
-         (r"\\geq?\b|≥", ">="), (r"\\leq?\b|≤", "<="), (r"\\ne(?:q)?\b", "!="), (r"\\dots|\\ldots|\\cdots", "..."),
-         (r"\\in\b", "=")]
+         (r"\^\s*\{?\s*\\circ\s*\}?|\\circ|\\degree|°", ""), (r"\\?%|\\\$|\$", ""),
+         (r"(\d)\s*\{,\s*\}\s*(?=\d)", r"\1,"),
+         (r"\\geqslant|\\geq?\b|≥", ">="), (r"\\leqslant|\\leq?\b|≤", "<="), (r"\\ne(?:q)?\b", "!="),
+         (r"\\dots|\\ldots|\\cdots", "..."), (r"\\in\b", "="), (r"±", r"\\pm")]
+
+# Units come off an answer that holds a digit: any \text-like group, or a known unit word after a space.
+_UNIT_WORDS = ("m cm mm km nm um pm s ms us ns min mins h hr hrs g kg mg K J kJ eV keV MeV GeV W kW MW N Pa kPa "
+               "Hz kHz MHz GHz V mV A mA C mol L mL erg ergs dyn yr yrs year years day days hour hours minute "
+               "minutes second seconds sec degree degrees dollar dollars cent cents unit units meter meters metre "
+               "metres inch inches foot feet ft mile miles mph pc kpc Mpc AU au ly T G atm bar cal kcal rad Ohm "
+               "ohm ohms arcsec arcmin mag Jy sq square cubic liters litres percent pct").split()
+_POWER = r"(?:\s*\^\s*\{?\s*-?\d+\s*\}?)?"
+_WRAPPED_UNIT = re.compile(r"(?:/|\\cdot)?\s*" + _TEXT + r"\{(?:[^{}]|\{[^{}]*\})*\}" + _POWER + "$")
+_BARE_UNIT = re.compile(r"(?:\s|/|\\cdot)\s*(?:\\mu\s*[a-zA-Z]+|μ[a-zA-Z]+|\\AA|Å|[MRL]_\{?\\odot\}?|\\Omega|(?:%s)\b)"
+                        % "|".join(sorted(_UNIT_WORDS, key=len, reverse=True)) + _POWER + "$")
+
+
+def _strip_units(s):
+    """`4.5 \\times 10^{33} \\text{ erg s}^{-1}` -> `4.5 \\times 10^{33}`; `300 K` -> `300`; `2 mn` stays."""
+    head, bare = s, False
+    while True:
+        m = _WRAPPED_UNIT.search(head) or _BARE_UNIT.search(head)
+        if not m or not re.search(r"\d", head[:m.start()]):
+            break
+        bare = bare or _WRAPPED_UNIT.search(head) is None
+        head = head[:m.start()].rstrip()
+    plain = re.sub(r"\\(?:times|cdot|frac|sqrt|pi)\b|(?<=\d)[eE](?=[-+]?\d)", "", head)
+    return s if bare and re.search(r"[a-zA-Z\\]", plain) else head  # a bare unit follows a plain number
+
+
+def _thousands(s):
+    """7,425,000 -> 7425000, when that number is the only thing with commas (27,54,108 stays a list) and
+    stands outside brackets ((2,251,252) stays a tuple)."""
+    found = re.findall(r"(?<![\d.])-?[1-9]\d{0,2}(?:,\d{3})+(?![\d,])", s)
+    if len(found) == 1 and found[0].count(",") == s.count(",") and not re.search(r"[(\[{]", s):
+        s = s.replace(found[0], found[0].replace(",", ""))
+    return s
+
+
+def _expand_pm(s):
+    """`1 \\pm \\sqrt{19}` -> `1 + \\sqrt{19}, 1 - \\sqrt{19}`, item by item of a comma list."""
+    items = []
+    for item in _split_top(s, [","]):
+        signs = [item]
+        while "\\pm" in signs[0] and len(signs) < 8:
+            signs = [x.replace("\\pm", sign, 1) for x in signs for sign in "+-"]
+        items += signs
+    return ", ".join(items)
 
 
 def _nesting(s):
@@ -88,28 +177,33 @@ def normalize(s):
         raise ValueError("nested deeper than %d" % MAX_DEPTH)
     for pat, rep in _SUBS:
         s = re.sub(pat, rep, s)
-    m = re.fullmatch(r"(.*?\d.*?)\s*" + _TEXT + r"\{[^{}]*\}", s)  # a trailing unit: 5\text{ cm}
-    s = m.group(1) if m else s
+    s = _strip_units(s.strip())
     s = re.sub(_TEXT + r"\{([^{}]*)\}", r"\1", s)  # other text wrappers keep their content
-    s = re.sub(r"^(.*\d[)}]?)\s+(?:[a-zA-Z]{2,}\.?(?:\^\d)?\s*)+$", r"\1", s)  # 10 degrees, 4.5 erg
-    if not re.search(r"[(\[{]", s):  # thousands separators (not inside a tuple): 7,425,000
-        s = re.sub(r"(?<![\d.])[1-9]\d{0,2}(?:,\d{3})+(?!\d)", lambda m: m.group().replace(",", ""), s)
+    s = re.sub(r",?\s+(?:and|or)\s+", ", ", s)  # 1, 3, and 5
+    s = _thousands(s)
     s = re.sub(r"\s+", " ", s).strip().rstrip(".").strip()
     if re.fullmatch(r"-?\d{1,3}(?: \d{3})+(?:\.\d+)?", s):  # 1 000 000
         s = s.replace(" ", "")
+    s = re.sub(r"^[a-zA-Z]\s*(?=(?:\(.*\]|\[.*\))$)", "", s)  # t(0,4]: an interval named by its variable
+    if "\\pm" in s:
+        s = _expand_pm(s)
     return re.sub(r"^\(([A-Za-z])\)$", r"\1", s)  # multiple choice (C) -> C
 
 
 def _canon(s):
-    return re.sub(r"[\s{}]", "", s).lower()
+    return re.sub(r"[\s{}]", "", s)
 
 
 # ---- Numbers, without sympy ------------------------------------------------------------------------------
 
 def number(s):
-    """(value, exact) for a plain number in any usual spelling, else None: 025, -1.5, 3/4, \\frac{3}{4},
+    """(value, exact) for a plain number in any usual spelling, else None: 025, -1.5, 3/4, \\frac{3}{4}, 1\\frac{4}{5},
     4.5e33, 4.5\\times10^{33}, 4.5 \\cdot 10^{-3}, 10^{5}. Exponents beyond +-400 are refused."""
     s = s.replace(" ", "")
+    m = re.fullmatch(r"(-?)(\d+)\\frac\{(\d+)\}\{(\d+)\}", s)  # a mixed number: 1\frac{4}{5} = 9/5
+    if m and 0 < int(m.group(3)) < int(m.group(4)):
+        value = int(m.group(2)) + Fraction(int(m.group(3)), int(m.group(4)))
+        return (-value if m.group(1) else value), True
     m = re.fullmatch(r"(-?)\\frac\{?(\d+)\}?\{?(\d+)\}?|(-?\d+)/(\d+)", s)
     if m:
         num, den = (m.group(2), m.group(3)) if m.group(2) else (m.group(4), m.group(5))
@@ -191,19 +285,25 @@ def is_equivalent(pred, gold, timeout=5.0):
 
 
 def _bare_rhs(s):
-    """`x = 5` -> `5` when the left side is a bare variable (x, x_1, \\theta, f(x)); else None."""
+    """`x = 5` -> `5` when the left side only names the answer: a variable (x_1, \\theta, f(x)), a tuple of
+    them `(x, y)`, a segment or ratio `AB`, `\\frac{NO}{BO}`, `m_{\\max}`, `\\angle ABC`; else None."""
     sides = _split_top(s, ["="])
-    bare = r"[a-zA-Z](?:_\{?\w+\}?)?|\\[a-zA-Z]+|[a-zA-Z]\([a-z]\)"
-    return sides[1] if len(sides) == 2 and re.fullmatch(bare, sides[0]) else None
+    if len(sides) != 2:
+        return None
+    name = re.sub(r"_\{[^{}]*\}|_\\?\w+|\\[a-zA-Z]+", "", sides[0])  # subscripts and commands off
+    return sides[1] if re.search(r"[a-zA-Z]", name) and not re.search(r"[\d+\-*/^<>!]", name) else None
 
 
 def _equal(a, b, deadline):
     if _canon(a) == _canon(b):
         return True
+    if re.fullmatch(r"[A-Za-z ]+", a) and re.fullmatch(r"[A-Za-z ]+", b):  # words: Yes ~ yes, but M !~ m
+        return min(len(a), len(b)) > 1 and a.lower() == b.lower()
     ra, rb = _bare_rhs(a), _bare_rhs(b)
     if (ra is None) != (rb is None):  # x = 5 ~ 5, and x \in [2, \infty) ~ [2, \infty)
         return _equal(ra or a, rb or b, deadline)
     (ka, xa), (kb, xb) = structure(a), structure(b)
+    ka, kb = (k.replace("set", "list") for k in (ka, kb))  # \{1, 3, 5\} ~ 1, 3, 5: both unordered
     if ka == "atom" and kb == "atom":
         return _atom_equal(a, b, deadline)
     if {ka, kb} == {"atom", "list"}:  # a decimal comma, 1,22 ~ 1.22, only against a single number
@@ -211,7 +311,7 @@ def _equal(a, b, deadline):
         return (da, db) != (a, b) and number(da) is not None and number(db) is not None and _equal(da, db, deadline)
     if ka != kb or len(xa) != len(xb) or len(xa) > 32:
         return False
-    if ka in ("set", "list"):  # unordered: match each item to an unused equal one
+    if ka == "list":  # unordered: match each item to an unused equal one
         left = list(xb)
         for x in xa:
             j = next((j for j, y in enumerate(left) if _equal(x, y, deadline)), None)
@@ -233,8 +333,6 @@ def _atom_equal(a, b, deadline):
     na, nb = number(a), number(b)
     if na and nb:
         return na[0] == nb[0] if na[1] and nb[1] else _close(float(na[0]), float(nb[0]))
-    if not re.search(r"[\d\\^+\-*/]", a + b) and (len(a) > 1 or len(b) > 1):
-        return False  # plain words that differ after normalisation
     return _ask_worker(a, b, deadline)
 
 
@@ -243,7 +341,9 @@ def _atom_equal(a, b, deadline):
 _TOKEN = re.compile(r"\s*(\d+\.?\d*|\.\d+|\\[a-zA-Z]+|\\[{}|]|[a-zA-Z]|\S)")
 _FUNCS = ("sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln exp").split()
 _GREEK = ("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi rho "
-          "sigma tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega").split()
+          "sigma tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega "
+          "hbar ell").split()
+_INVERSE = {"sin": "asin", "cos": "acos", "tan": "atan", "cot": "acot", "sec": "asec", "csc": "acsc"}
 
 
 class _Parser:
@@ -291,7 +391,8 @@ class _Parser:
                 self.take()
                 e = e * self.unary() if t in ("*", "\\cdot", "\\times") else e / self.unary()
             elif t is not None and (t[0].isalnum() or t in ("(", "{") or t[1:] in _FUNCS + _GREEK
-                                    or t in ("\\frac", "\\sqrt", "\\pi", "\\infty", "\\binom")):
+                                    or t in ("\\frac", "\\sqrt", "\\pi", "\\infty", "\\binom", "\\lfloor",
+                                             "\\lceil", "\\max", "\\min", "\\angle")):
                 e = e * self.power()  # implicit product: 2x, 2\sqrt{2}, x(x+1)
             else:
                 return e
@@ -304,14 +405,16 @@ class _Parser:
     def power(self):
         base = self.atom()
         while self.accept("!"):
-            if not (base.is_Integer and 0 <= base <= 1000):
+            if base.is_number and not (base.is_Integer and 0 <= base <= 1000):
                 raise ValueError("factorial of %s" % base)
-            base = self.sp.factorial(base)
+            base = self.sp.factorial(base)  # n! stays symbolic
         if not self.accept("^"):
             return base
         exp = self.arg()
-        if base.is_number and exp.is_number and abs(exp) > 1000 and abs(base) not in (0, 1):
-            raise ValueError("power too large")  # 9^{9^{9^9}} stops here
+        if base.is_number and exp.is_number and abs(base) not in (0, 1):
+            digits = abs(float(exp)) * abs(math.log10(abs(complex(base))))
+            if digits > 10000:
+                raise ValueError("power too large")  # 2^{1009} is fine; 9^{9^{9^9}} stops here
         return base ** exp
 
     def arg(self):
@@ -333,8 +436,10 @@ class _Parser:
         if t[0].isdigit() or t[0] == ".":
             return sp.Float(t) if "." in t else sp.Integer(int(t))
         if t.isalpha() and len(t) == 1:
-            if self.accept("_"):  # x_1, x_{n}: one symbol named after its subscript
-                return sp.Symbol("%s_%s" % (t, self.arg()))
+            if self.accept("_"):  # x_1, x_{n}, m_{\max}: one symbol named after its subscript
+                return sp.Symbol(t + "_" + self.subscript())
+            if self.peek() == "(" and (t.isupper() or t in "fgh"):  # I(0), f(x): a function's value, not a product
+                return sp.Function(t)(*self.arguments())
             return {"e": sp.E, "i": sp.I}.get(t) or sp.Symbol(t)
         if t in ("(", "[", "{", "|"):
             e = self.expr()
@@ -344,9 +449,20 @@ class _Parser:
             return self.arg() / self.arg()
         if t == "\\binom":
             n, k = self.arg(), self.arg()
-            if not (n.is_Integer and abs(n) <= 10000):
+            if n.is_number and not (n.is_Integer and abs(n) <= 10000):
                 raise ValueError("binomial")
-            return sp.binomial(n, k)
+            return sp.binomial(n, k)  # \binom{2n}{n} stays symbolic
+        if t in ("\\lfloor", "\\lceil"):
+            e = self.expr()
+            self.take(t.replace("l", "r", 1))
+            return sp.floor(e) if t == "\\lfloor" else sp.ceiling(e)
+        if t in ("\\max", "\\min"):
+            return (sp.Max if t == "\\max" else sp.Min)(*self.arguments())
+        if t == "\\angle":  # \angle ABC: one symbol
+            name = ""
+            while self.peek() is not None and self.peek().isalpha() and len(self.peek()) == 1:
+                name += self.take() + ("_" + self.subscript() if self.accept("_") else "")
+            return sp.Symbol("angle_" + name)
         if t == "\\sqrt":
             if self.accept("["):
                 n = self.expr()
@@ -356,16 +472,44 @@ class _Parser:
         if t in ("\\pi", "\\infty"):
             return sp.pi if t == "\\pi" else sp.oo
         if t[1:] in _GREEK:
-            return sp.Symbol(t[1:])
+            return sp.Symbol(t[1:] + ("_" + self.subscript() if self.accept("_") else ""))
         if t[1:] in _FUNCS:
             return self._function(t[1:])
         raise ValueError("unknown token %r" % t)
+
+    def subscript(self):
+        """The raw text of a subscript, `1` in x_1 and `\\max` in m_{\\max}: a name, not an expression."""
+        if not self.accept("{"):
+            return self.take()
+        depth, out = 1, ""
+        while True:
+            t = self.take()
+            depth += (t == "{") - (t == "}")
+            if depth == 0:
+                return out
+            out += t
+
+    def arguments(self):
+        """(a, b, ...) or \\{a, b, ...\\}: a function's arguments."""
+        close = {"(": ")", "\\{": "\\}", "{": "}"}[self.take()]
+        args = [self.expr()]
+        while self.accept(","):
+            args.append(self.expr())
+        self.take(close)
+        return args
 
     def _function(self, name):
         sp = self.sp
         base = self.arg() if name == "log" and self.accept("_") else None
         power = self.arg() if self.accept("^") else None
-        x = self.power() if self.peek() != "(" else self.atom()
+        if power == -1 and name in _INVERSE:  # \sin^{-1} x is arcsin x
+            name, power = _INVERSE[name], None
+        if self.peek() == "(":
+            x = self.atom()
+        else:  # \cos 2t is cos(2t): the argument runs over the factors that follow
+            x = self.power()
+            while self.peek() is not None and (self.peek()[0].isalnum() or self.peek()[1:] in _GREEK + ["pi"]):
+                x = x * self.power()
         f = {"ln": sp.log, "arcsin": sp.asin, "arccos": sp.acos, "arctan": sp.atan}.get(name) or getattr(sp, name)
         y = sp.log(x, base) if base is not None else f(x)
         return y ** power if power is not None else y

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import reward
-from reward import extract_boxed, is_equivalent, score
+from reward import extract_answer, extract_boxed, is_equivalent, score
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -52,12 +52,59 @@ NOT_EQUIVALENT = [
 ]
 
 
-@pytest.mark.parametrize("a,b", EQUIVALENT)
+# The answer forms of issue 11, numbered as there; each rule has true and false cases.
+FORMS_EQUIVALENT = [
+ # 1 sets and lists
+ ("\\{1,3,5\\}", "1, 3, 5"), ("n \\in \\{1,3,5\\}", "1, 3, 5"), ("1, 3, \\text{ and } 5", "1, 3, 5"), ("1, 3 and 5", "5, 3, 1"),
+ # 2 named
+ ("(x,y) = (3,2)", "(3,2)"), ("(a,b,c)=(2,251,252)", "(2,251,252)"), ("AB=4, CD=5", "4, 5"),
+ ("\\frac{NO}{BO}=\\frac{1}{\\sqrt6}", "\\frac{\\sqrt{6}}{6}"), ("m_{\\max}=\\frac{9}{32}\\sqrt{2}", "\\frac{9\\sqrt2}{32}"),
+ ("M=\\frac{9}{32} \\sqrt{2}", "\\frac{9}{32}\\sqrt{2}"),
+ ("t(0,4]", "(0,4]"), ("t(0,4]", "t \\in (0,4]"), ("k \\geqslant 2", "k \\geq 2"), ("k \\leqslant 2", "k \\le 2"),
+ ("\\angle B E A_{1}=90,\\angle A E B_{1}=90", "90, 90"),
+ # 3 pm
+ ("1 \\pm \\sqrt{19}", "1+\\sqrt{19}, 1-\\sqrt{19}"), ("\\pm 2021", "\\{-2021, 2021\\}"), ("0, \\pm 2", "-2, 0, 2"),
+ ("x = \\pm 3", "3, -3"), ("±2", "2, -2"),
+ # 4 mixed numbers
+ ("1\\frac{4}{5}", "\\frac{9}{5}"), ("1\\frac{4}{5}", "1.8"), ("137 \\frac{1}{2}", "275/2"), ("-2\\frac{1}{3}", "-\\frac{7}{3}"),
+ # 5 thousands vs lists
+ ("27,54,108,...,378", "27, 54, 108, ..., 378"), ("7,425,000", "7425000"), ("x = 1,000", "1000"),
+ # 6 units
+ ("4.5 \\times 10^{33} \\text{ erg s}^{-1}", "4.5e33"), ("4.5\\times10^{33}\\mathrm{erg\\,s^{-1}}", "4.5e33"),
+ ("300 \\text{km}\\,\\text{s}^{-1}", "300"), ("12 \\text{ m}^2", "12"), ("2.7 \\text{ g/cm}^3", "2.7"), ("300 K", "300"),
+ ("5 \\AA", "5"), ("3 \\mu m", "3"), ("0.5 M_\\odot", "0.5"), ("2 M_{\\odot}", "2"), ("90°", "90"), ("28 percent", "28\\%"),
+ ("\\frac{600}{7} km/h", "\\frac{600}{7}"), ("6 \\times 10^{8} m/s", "6e8"),
+ # 7 symbols
+ ("\\rho_0 g h", "g h \\rho_{0}"), ("\\omega_n^2", "\\omega_{n} \\omega_n"), ("\\frac{\\hbar}{2}", "0.5\\hbar"),
+ ("\\lfloor \\frac{n}{2} \\rfloor", "\\left\\lfloor \\frac{n}{2}\\right\\rfloor"), ("\\lceil 2.5 \\rceil", "3"), ("\\lfloor 2.5 \\rfloor", "2"),
+ ("\\binom{2n}{n}", "\\frac{(2n)!}{(n!)^2}"), ("n!", "n (n-1)!"), ("\\max(3, 5)", "5"), ("\\max\\{a, b\\}", "\\max(b, a)"),
+ ("\\angle ABC", "\\angle ABC"), ("2^{1009}", "2 \\cdot 2^{1008}"), ("\\cos 2t", "\\cos^2 t - \\sin^2 t"),
+ ("\\sin^{-1} x", "\\arcsin x"), ("\\tan^{-1}(1)", "\\frac{\\pi}{4}"), ("\\sin 2x", "2\\sin x \\cos x"),
+ # 8 boxes
+ ("\\boxed{1} and \\boxed{-2}", "1, -2"), ("\\boxed{1}, \\boxed{-2}", "-2, 1"),
+ # 10 kept right
+ ("I(0)e^{-t/RC}", "e^{-t/RC} I(0)"), ("\\text{Yes}", "yes"), ("f(x)=x,f(x)=2-x", "f(x) = 2-x, f(x) = x"),
+]
+FORMS_NOT_EQUIVALENT = [
+ # 1-8: near misses that must stay wrong; 10: function calls, unit-like letters and case
+ ("\\{1,3,5\\}", "1, 3"), ("(x,y)=(3,2)", "(2,3)"), ("AB=4, CD=5", "4, 6"), ("x^2 = 4", "4"), ("x + y = 5", "5"),
+ ("1 \\pm \\sqrt{19}", "1+\\sqrt{19}"), ("\\pm 2021", "2021"),
+ ("1\\frac{4}{5}", "\\frac{4}{5}"), ("137 \\frac{1}{2}", "68.5"), ("1\\frac{4}{5}", "\\frac45"),
+ ("27,54,108,...,378", "2754108378"),
+ ("4.5 \\times 10^{33} \\text{ erg s}^{-1}", "4.5e34"), ("300 K", "301"),
+ ("\\rho_0", "\\rho_1"), ("\\lfloor 2.5 \\rfloor", "3"), ("\\binom{2n}{n}", "\\binom{2n}{n+1}"), ("\\max(3,5)", "3"),
+ ("2^{1009}", "2^{1008}"), ("\\cos 2t", "2\\cos t"), ("\\cos 2t", "t \\cos 2"), ("\\sin^{-1} x", "\\frac{1}{\\sin x}"),
+ ("\\boxed{1} and \\boxed{-2}", "-2"),
+ ("I(0)e^{-t/RC}", "0"), ("2 mn", "2"), ("M", "m"), ("3r^2", "3R^2"), ("2m", "2"), ("\\angle ABC", "\\angle ACB"),
+ ("f(x)", "f"), ("P(1)", "P"),
+]
+
+@pytest.mark.parametrize("a,b", EQUIVALENT + FORMS_EQUIVALENT)
 def test_equivalent(a, b):
     assert is_equivalent(a, b) and is_equivalent(b, a)
 
 
-@pytest.mark.parametrize("a,b", NOT_EQUIVALENT)
+@pytest.mark.parametrize("a,b", NOT_EQUIVALENT + FORMS_NOT_EQUIVALENT)
 def test_not_equivalent(a, b):
     assert not is_equivalent(a, b) and not is_equivalent(b, a)
 
@@ -86,9 +133,25 @@ def test_extract_boxed():
     assert extract_boxed("so \\boxed 5$ done") == "5"
     assert extract_boxed("\\fbox{3}") == "3"
     assert extract_boxed("\\boxed{1} then \\fbox{2}") == "2"
+    assert extract_boxed("x = \\boxed{1} and x = \\boxed{-2}.") == "-2"  # words between: the last box only
+    assert extract_boxed("$\\boxed{1}$ and $\\boxed{-2}$") == "1, -2"  # boxed separately: one answer
+    assert extract_boxed("\\boxed{1}, \\boxed{2}, \\text{ or } \\boxed{3}") == "1, 2, 3"
+    assert extract_boxed("\\boxed{\\boxed{7}}") == "\\boxed{7}" and score("\\boxed{\\boxed{7}}", "7") == 1.0
     assert extract_boxed("no box here") is None
     assert extract_boxed("\\boxed{unbalanced") is None
     assert extract_boxed(None) is None
+
+
+def test_extract_answer_takes_boxes_first_then_unboxed_final_forms():
+    assert extract_answer("The answer is $9$, not \\boxed{8}") == "8"
+    assert extract_answer("So the answer is $9$.") == "9"
+    assert extract_answer("...\nAnswer: $\\frac{1}{2}$") == "\\frac{1}{2}"  # DAPO's format
+    assert extract_answer("**Final Answer:** 42") == "42"
+    assert extract_answer("The final answer is \\(x=3\\).") == "x=3"
+    assert extract_answer("We simplify. Therefore $x \\geq 5$ is the solution.") == "x \\geq 5"
+    assert extract_answer("To answer this we need $3$ facts") is None  # "answer" without is/:/=
+    assert extract_answer("no final answer here") is None and extract_answer(None) is None
+    assert score("So the answer is $9$.", "9") == -1.0  # the training reward still requires the box
 
 
 def test_score():
