@@ -184,7 +184,7 @@ def normalize(s):
     s = re.sub(r"\s+", " ", s).strip().rstrip(".").strip()
     if re.fullmatch(r"-?\d{1,3}(?: \d{3})+(?:\.\d+)?", s):  # 1 000 000
         s = s.replace(" ", "")
-    s = re.sub(r"^[a-zA-Z]\s*(?=(?:\(.*\]|\[.*\))$)", "", s)  # t(0,4]: an interval named by its variable
+    s = re.sub(r"^([a-zA-Z])\s*(?=(?:\(.*\]|\[.*\))$)", r"\1 = ", s)  # t(0,4]: t \in (0,4]
     if "\\pm" in s:
         s = _expand_pm(s)
     return re.sub(r"^\(([A-Za-z])\)$", r"\1", s)  # multiple choice (C) -> C
@@ -302,13 +302,17 @@ def _equal(a, b, deadline):
     ra, rb = _bare_rhs(a), _bare_rhs(b)
     if (ra is None) != (rb is None):  # x = 5 ~ 5, and x \in [2, \infty) ~ [2, \infty)
         return _equal(ra or a, rb or b, deadline)
+    ia, ib = _INEQ.match(a), _INEQ.match(b)
+    if ia and ib and ia.group(3) != ib.group(3):  # k >= 2 !~ K >= 2: an inequality keeps its variable
+        return False
     (ka, xa), (kb, xb) = structure(a), structure(b)
     ka, kb = (k.replace("set", "list") for k in (ka, kb))  # \{1, 3, 5\} ~ 1, 3, 5: both unordered
     if ka == "atom" and kb == "atom":
         return _atom_equal(a, b, deadline)
-    if {ka, kb} == {"atom", "list"}:  # a decimal comma, 1,22 ~ 1.22, only against a single number
+    if {ka, kb} == {"atom", "list"}:  # a decimal comma, 1,22 ~ 1.22, only against a number with a point
         da, db = (re.sub(r"^(-?\d+),(\d+)$", r"\1.\2", x) for x in (a, b))
-        return (da, db) != (a, b) and number(da) is not None and number(db) is not None and _equal(da, db, deadline)
+        decimal = all(number(x) is not None and "." in x for x in (da, db))
+        return (da, db) != (a, b) and decimal and _equal(da, db, deadline)
     if ka != kb or len(xa) != len(xb) or len(xa) > 32:
         return False
     if ka == "list":  # unordered: match each item to an unused equal one

@@ -96,7 +96,8 @@ FORMS_NOT_EQUIVALENT = [
  ("2^{1009}", "2^{1008}"), ("\\cos 2t", "2\\cos t"), ("\\cos 2t", "t \\cos 2"), ("\\sin^{-1} x", "\\frac{1}{\\sin x}"),
  ("\\boxed{1} and \\boxed{-2}", "-2"),
  ("I(0)e^{-t/RC}", "0"), ("2 mn", "2"), ("M", "m"), ("3r^2", "3R^2"), ("2m", "2"), ("\\angle ABC", "\\angle ACB"),
- ("f(x)", "f"), ("P(1)", "P"),
+ ("f(x)", "f"), ("P(1)", "P"), ("k \\geq 2", "K \\geq 2"), ("t(0,4]", "T(0,4]"),
+ ("-3,0", "-3"), ("6764,10945", "6764"),  # a list is no decimal comma against an integer (1,22 ~ 1.22 stays)
 ]
 
 @pytest.mark.parametrize("a,b", EQUIVALENT + FORMS_EQUIVALENT)
@@ -261,3 +262,21 @@ def test_worker_start_up_never_eats_a_checks_timeout(monkeypatch):
     thread.start()  # a new thread: no worker yet
     thread.join()
     assert result == [True]
+
+
+BENCH = os.path.join(HERE, "..", "..", "shared", "data", "benchmarks")
+
+
+@pytest.mark.skipif(not os.path.isdir(BENCH), reason="../shared/data/benchmarks is absent")
+def test_the_corpus_built_from_the_benchmark_golds():
+    """Every 4th gold of the six benchmarks, with its renderings (right) and near misses (wrong), as
+    benchmarks/reward.py builds them for the README's agreement figure."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("corpus", os.path.join(HERE, "..", "benchmarks", "reward.py"))
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+    golds = corpus.load_golds(BENCH)[::4]
+    pairs = [(True, p, g) for _, g in golds for _, p in corpus.renderings(g)]
+    pairs += [(False, p, g) for _, g in golds for _, p in corpus.near_misses(g)]
+    assert len(pairs) > 2500
+    assert [x for x in pairs if is_equivalent(x[1], x[2]) != x[0]] == []
