@@ -9,7 +9,7 @@ mean accuracy over the k samples, pass@k the fraction of problems with a correct
 reward.score > 0 on the last \\boxed{}: gold conventions (AIME's zero padding, Minerva's e-notation,
 OlympiadBench's unordered multi-answers) live in reward.py, not here.
 """
-import argparse, functools, json, os, time
+import argparse, functools, json, os, re, time
 
 # name: (Hub id, split, problem column, answer column, samples per problem)
 BENCHMARKS = {
@@ -23,82 +23,131 @@ BENCHMARKS = {
 PRESETS = {"train": (1.0, 1.0), "justrl": (0.7, 0.9)}  # (temperature, top-p): the paper's two settings
 
 
-def hub_row(name, row, i):
-    """One Hub row mapped to {id, problem, answer}."""
+def benchmark_row(name, row, i, where):
+    """One row mapped to {id, problem, answer}, from any of three layouts: ours (problem, answer), the Hub's
+    (BENCHMARKS' columns), or verl's (prompt[0].content, reward_model.ground_truth: JustRL's parquet files)."""
     from reward import extract_boxed
+    from rollout import _problem_answer
     _, _, pcol, acol, _ = BENCHMARKS[name]
-    answer = row[acol]
-    if name == "aime24":
-        answer = extract_boxed(answer) or answer
-    elif isinstance(answer, list):  # OlympiadBench: final_answer is a list of strings
+    rid = row.get("id", row.get("unique_id", (row.get("extra_info") or {}).get("index", i)))
+    if pcol in row and acol in row and "prompt" not in row:
+        problem, answer = row[pcol], row[acol]
+    else:  # ours or verl's; a row missing a field is an error naming the file and line
+        problem, answer = _problem_answer(row, where)
+    if isinstance(answer, list):  # OlympiadBench: final_answer is a list of strings
         answer = ", ".join(a.strip("$") for a in answer)
     elif isinstance(answer, float):  # AMC23 stores 27.0
         answer = str(int(answer)) if answer.is_integer() else str(answer)
-    return {"id": str(row.get("id", row.get("unique_id", i))), "problem": row[pcol], "answer": str(answer)}
+    answer = str(answer).strip()
+    answer = extract_boxed(answer) if "\\boxed" in answer else answer  # AIME24's Hub solution: \boxed{025}
+    return {"id": str(rid), "problem": problem, "answer": re.sub(r"^\$([^$]*)\$$", r"\1", answer)}
 
 
 @functools.lru_cache(maxsize=None)  # --eval-every reads each benchmark once per run, not once per evaluation
 def load_benchmark(name, data_dir=None, source=None):
-    """{id, problem, answer} rows: <data_dir>/<name>.jsonl if given, else the Hub (or `source`, a local
-    .parquet/.jsonl in the Hub's layout)."""
+    """{id, problem, answer} rows of one benchmark: from `source` (a local .jsonl/.parquet in any layout
+    benchmark_row reads), else <data_dir>/<name>.jsonl, else the Hub."""
     from rollout import read_jsonl
-    if data_dir:
-        return [{"id": str(r.get("id", w)), "problem": r["problem"], "answer": str(r["answer"])}
-                for w, r in read_jsonl(os.path.join(data_dir, name + ".jsonl"), ["problem", "answer"])]
-    import datasets
-    hub, split = BENCHMARKS[name][:2]
-    ds = datasets.load_dataset(hub, split=split) if source is None else datasets.load_dataset(
-        "parquet" if source.endswith(".parquet") else "json", data_files=source, split="train")
-    return [hub_row(name, r, i) for i, r in enumerate(ds)]
+    path = source or (os.path.join(data_dir, name + ".jsonl") if data_dir else None)
+    if path and path.endswith(".jsonl"):
+        rows = read_jsonl(path)
+    else:
+        import datasets
+        hub, split = BENCHMARKS[name][:2]
+        ds = datasets.load_dataset("parquet", data_files=path, split="train") if path else datasets.load_dataset(
+            hub, split=split)
+        rows = [(f"{path or hub}: row {i}", r) for i, r in enumerate(ds)]
+    return [benchmark_row(name, r, i, where) for i, (where, r) in enumerate(rows)]
+
+
+def per_problem(records, key):
+    """{problem id: [each of its samples' `key`]}."""
+    out = {}
+    for r in records:
+        out.setdefault(r["id"], []).append(r[key])
+    return out
 
 
 def summarize(records):
-    """One row per benchmark from per-sample records, plus the mean of avg@k over the benchmarks."""
+    """One row per benchmark from per-sample records, plus the mean of avg@k over the benchmarks. With a
+    judge, `avg@k judged` counts a sample right when the rules or the judge say so."""
     rows = {}
     for name in dict.fromkeys(r["benchmark"] for r in records):
         rs = [r for r in records if r["benchmark"] == name]
-        by_problem = {}
-        for r in rs:
-            by_problem.setdefault(r["id"], []).append(r["correct"])
-        rows[name] = {"n": len(by_problem), "k": max(map(len, by_problem.values())),
-                      "avg@k": 100 * sum(sum(c) / len(c) for c in by_problem.values()) / len(by_problem),
-                      "pass@k": 100 * sum(any(c) for c in by_problem.values()) / len(by_problem),
+        right = per_problem(rs, "correct").values()
+        rows[name] = {"n": len(right), "k": max(map(len, right)),
+                      "avg@k": 100 * sum(sum(c) / len(c) for c in right) / len(right),
+                      "pass@k": 100 * sum(any(c) for c in right) / len(right),
                       "mean_len": sum(r["length"] for r in rs) / len(rs),
                       "truncated": sum(r["finish_reason"] == "length" for r in rs) / len(rs)}
+        if "judged" in rs[0]:
+            judged = per_problem(rs, "judged").values()
+            rows[name]["avg@k judged"] = 100 * sum(sum(c) / len(c) for c in judged) / len(judged)
+    averaged = [key for key in ("avg@k", "avg@k judged") if rows and key in next(iter(rows.values()))]
     if rows:
-        rows["average"] = {"avg@k": sum(r["avg@k"] for r in rows.values()) / len(rows)}
+        rows["average"] = {key: sum(r[key] for r in rows.values()) / len(rows) for key in averaged}
     return rows
 
 
 def table(rows):
-    head = "| benchmark | n | k | avg@k (%) | pass@k (%) | mean length | truncated |\n|---|---|---|---|---|---|---|"
-    return "\n".join([head] + [f"| **average** | | | **{r['avg@k']:.2f}** | | | |" if n == "average" else
-                                f"| {n} | {r['n']} | {r['k']} | {r['avg@k']:.2f} | {r['pass@k']:.2f} | "
-                                f"{r['mean_len']:.0f} | {r['truncated']:.3f} |" for n, r in rows.items()])
+    """The summary as markdown; with a judge, avg@k by the rules and by rules + judge side by side."""
+    cols = [c for c in ("avg@k", "avg@k judged") if c in rows.get("average", {"avg@k": 0})]
+    lines = ["| benchmark | n | k | " + " | ".join(c.replace("judged", "rule+judge") + " (%)" for c in cols) +
+             " | pass@k (%) | mean length | truncated |", "|---" * (len(cols) + 6) + "|"]
+    for n, r in rows.items():
+        avgs = " | ".join(f"{r[c]:.2f}" for c in cols)
+        lines.append(f"| **average** | | | {avgs} | | | |" if n == "average" else f"| {n} | {r['n']} | {r['k']} | "
+                     f"{avgs} | {r['pass@k']:.2f} | {r['mean_len']:.0f} | {r['truncated']:.3f} |")
+    return "\n".join(lines)
 
 
 def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0, world=1, data_dir=None,
-             limit=None, chat_template=True, enable_thinking=False, seed=0):
+             limit=None, chat_template=True, enable_thinking=False, seed=0, sources=None, unboxed=False):
     """Per-sample records for this rank's share of each benchmark (problem i goes to rank i % world).
-    Each benchmark's prompts go to the engine in one call; the answers are checked on parallel threads."""
-    from reward import extract_boxed, score_all
+    Each benchmark's prompts go to the engine in one call; the answers are checked on parallel threads.
+    The answer is the last box (the paper's protocol), or with `unboxed` reward.extract_answer's pick."""
+    from reward import check_all, extract_answer, extract_boxed
     from rollout import encode_prompt, seed_of
     records = []
     for name in names:
-        every = load_benchmark(name, data_dir)[:limit]
+        every = load_benchmark(name, data_dir, (sources or {}).get(name))[:limit]
         problems, k = every[rank::world], samples or BENCHMARKS[name][4]
         outs = engine.generate([encode_prompt(tok, p["problem"], chat_template, enable_thinking) for p in problems],
                                k, temperature, top_p, max_tokens, progress=rank == 0,
                                seeds=[seed_of(seed, i) for i in range(rank, len(every), world)])
         texts = [tok.decode(s.tokens, skip_special_tokens=True) for out in outs for s in out]
         golds = [p["answer"] for p in problems for _ in range(k)]
-        for j, (text, gold, s) in enumerate(zip(texts, golds, score_all(texts, golds))):
+        answers = [(extract_answer if unboxed else extract_boxed)(text) for text in texts]
+        for j, (text, gold, answer, ok) in enumerate(zip(texts, golds, answers, check_all(answers, golds))):
             sample = outs[j // k][j % k]
             records.append({"benchmark": name, "id": problems[j // k]["id"], "sample": j % k,
                             "problem": problems[j // k]["problem"], "completion": text,
-                            "extracted": extract_boxed(text), "gold": gold, "correct": s > 0,
+                            "extracted": answer, "gold": gold, "correct": ok,
                             "length": len(sample.tokens), "finish_reason": sample.finish_reason})
     return records
+
+
+def judge(records, a, device):
+    """A second opinion on every sample the rules rejected, as JustRL grades with CompassVerifier-3B: the
+    judge model reads the problem, the gold and the whole response, greedily, and only its "A" counts.
+    Returns the seconds it took. Each sample gets `judge` (its letter, None when not asked) and `judged`."""
+    from transformers import AutoTokenizer
+    from reward import judge_prompt, judge_verdict
+    from rollout import encode_prompt, make_engine
+    t0, tok = time.time(), AutoTokenizer.from_pretrained(a.judge)
+    template = open(a.judge_prompt).read() if a.judge_prompt else None
+    todo = [r for r in records if not r["correct"]]
+    prompts = [encode_prompt(tok, judge_prompt(r["problem"], r["gold"], r["completion"], template), suffix="")
+               for r in todo]
+    engine = make_engine(a.engine, a.judge, tok, device, max(map(len, prompts), default=0) + a.judge_max_tokens,
+                         a.gpu_memory_utilization, for_training=False)
+    outs = engine.generate(prompts, 1, 0.0, 1.0, a.judge_max_tokens, seeds=[0] * len(prompts))
+    for r, out in zip(todo, outs):
+        r["judge"] = judge_verdict(tok.decode(out[0].tokens, skip_special_tokens=True))
+    for r in records:
+        r.setdefault("judge", None)  # not asked: the rules accepted it
+        r["judged"] = r["correct"] or r["judge"] == "A"
+    return time.time() - t0
 
 
 def evaluate_during_training(engine, tok, args, rank, world):
@@ -131,6 +180,12 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=20480)
     p.add_argument("--limit", type=int, help="first N problems of each benchmark")
     p.add_argument("--data-dir", help="read <name>.jsonl files here instead of the Hub")
+    p.add_argument("--source", action="append", default=[], metavar="NAME=FILE",
+                   help="a benchmark from a local .jsonl/.parquet in our, the Hub's or verl's layout (repeatable)")
+    p.add_argument("--unboxed", action="store_true", help="also grade unboxed final answers (not the paper's)")
+    p.add_argument("--judge", metavar="MODEL", help="a judge for what the rules reject: opencompass/CompassVerifier-3B")
+    p.add_argument("--judge-prompt", metavar="FILE", help="the judge's template: {question} {gold_answer} {llm_response}")
+    p.add_argument("--judge-max-tokens", type=int, default=16)
     p.add_argument("--out", default="runs/eval")
     p.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -147,6 +202,9 @@ def main(argv=None):
     if any(n not in BENCHMARKS for n in names):
         p.error(f"--benchmarks: unknown {[n for n in names if n not in BENCHMARKS]}; choose from {list(BENCHMARKS)}")
     temperature, top_p = (x if x is not None else d for x, d in zip((a.temperature, a.top_p), PRESETS[a.preset]))
+    a.sources = dict(x.split("=", 1) for x in a.source if "=" in x)
+    if len(a.sources) != len(a.source) or any(n not in BENCHMARKS for n in a.sources):
+        p.error(f"--source: expected NAME=FILE with NAME one of {list(BENCHMARKS)}, got {a.source}")
     import torch.distributed as dist
     from rollout import init_distributed
     own_group = not dist.is_initialized()
@@ -159,22 +217,32 @@ def main(argv=None):
 
 
 def run(a, names, temperature, top_p, rank, world, device):
-    from transformers import AutoTokenizer
+    import gc
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
     from rollout import gather, make_engine
     tok = AutoTokenizer.from_pretrained(a.model)
-    from transformers import AutoConfig
     longest = getattr(AutoConfig.from_pretrained(a.model), "max_position_embeddings", None) or 1 << 30
     engine = make_engine(a.engine, a.model, tok, device, max_model_len=min(a.max_tokens + 2048, longest),
                          gpu_memory_utilization=a.gpu_memory_utilization, for_training=False)
     t0 = time.time()
-    records = sum(gather(evaluate(engine, tok, names, a.samples, temperature, top_p, a.max_tokens, rank, world,
-                                  a.data_dir, a.limit, a.chat_template, a.enable_thinking, a.seed)), [])
+    mine = evaluate(engine, tok, names, a.samples, temperature, top_p, a.max_tokens, rank, world, a.data_dir,
+                    a.limit, a.chat_template, a.enable_thinking, a.seed, a.sources, a.unboxed)
     seconds = time.time() - t0
+    if a.judge:  # the policy's engine goes first: the judge's takes its memory
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    judge_seconds = judge(mine, a, device) if a.judge else 0.0
+    records = sum(gather(mine), [])
     if rank == 0:
         rows = summarize(records)
         os.makedirs(a.out, exist_ok=True)
         results = {"model": a.model, "preset": a.preset, "config": vars(a), "table": rows,
                    "samples_per_s": len(records) / seconds, "tokens_per_s": sum(r["length"] for r in records) / seconds}
+        if a.judge:  # rank 0's cost: the judge's start-up included
+            results["judge_s_per_judged_sample"] = judge_seconds / max(1, sum(not r["correct"] for r in mine))
         for name, text in (("samples.jsonl", "".join(json.dumps(r) + "\n" for r in records)),
                            ("summary.md", table(rows) + "\n"), ("results.json", json.dumps(results, indent=1))):
             with open(os.path.join(a.out, name), "w") as f:

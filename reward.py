@@ -96,7 +96,46 @@ def score(completion, gold):
 
 def score_all(completions, golds):
     """score() over many completions, on a lasting pool of threads, each with its own sympy worker."""
-    return list(_pool.map(score, completions, golds))
+    return [1.0 if ok else -1.0 for ok in check_all(map(extract_boxed, completions), golds)]
+
+
+def check_all(answers, golds):
+    """is_equivalent over many extracted answers (None is wrong), on the same pool of threads."""
+    return list(_pool.map(lambda answer, gold: answer is not None and is_equivalent(answer, gold), answers, golds))
+
+
+# ---- The judge: a model's second opinion on what the rules reject (eval.py --judge) ----------------------
+
+JUDGE_PROMPT = """You grade answers to math problems. A reference answer is given and is correct.
+Decide whether the final answer of the response below is the same as the reference answer. Ignore the
+reasoning and the formatting (a \\boxed{{}} around the answer, spacing, an equivalent form); all parts of a
+multi-part answer must match. A response that is cut off, loops, or gives no final answer is invalid.
+Reply with one letter only: A if correct, B if incorrect, C if invalid.
+
+Problem:
+{question}
+
+Reference answer:
+{gold_answer}
+
+Response:
+{llm_response}
+
+Letter:"""
+
+
+def judge_prompt(problem, gold, response, template=None):
+    """The judge's prompt. `template` (e.g. CompassVerifier's own, from a file) has the same three fields."""
+    return (template or JUDGE_PROMPT).format(question=problem, gold_answer=gold, llm_response=response)
+
+
+def judge_verdict(reply):
+    """A (correct), B (incorrect), C (invalid) or None: the reply itself, or its last \\boxed{letter}."""
+    reply = reply.strip()
+    if reply in ("A", "B", "C"):
+        return reply
+    box = extract_boxed(reply)
+    return box if box in ("A", "B", "C") else None
 
 
 # ---- Normalisation: pure string work ---------------------------------------------------------------------

@@ -25,9 +25,9 @@ DAPO_SUFFIX = "\n\nRemember to put your answer on its own line after \"Answer:\"
 
 # ---- prompts and data ----------------------------------------------------------------------------------
 
-def encode_prompt(tok, problem, chat_template=True, enable_thinking=False):
+def encode_prompt(tok, problem, chat_template=True, enable_thinking=False, suffix=SUFFIX):
     """Token ids of the paper's prompt: the problem + SUFFIX, as a user turn of the chat template."""
-    text = problem + SUFFIX
+    text = problem + suffix
     if chat_template and tok.chat_template:
         text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                        add_generation_prompt=True, enable_thinking=enable_thinking)

@@ -49,9 +49,49 @@ def test_hub_column_mapping(name, fmt, tmp_path):
     assert got[0]["id"] == str(row.get("id", row.get("unique_id", 0)))
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_verl_layout_of_justrl_files(fmt, tmp_path):
+    """JustRL's data/*/test.parquet: the problem in prompt[0].content, the gold in reward_model, the id in
+    extra_info; its golds come wrapped in $...$."""
+    row = {"prompt": [{"content": "P", "role": "user"}], "data_source": "Olympiad-Bench", "ability": "math",
+           "reward_model": {"ground_truth": "$(1,2)$", "style": "rule"},
+           "extra_info": {"index": "Olympiad-Bench-7", "split": "test"}}
+    path = tmp_path / f"olympiadbench.{fmt}"
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.Table.from_pylist([row]), path)
+    else:
+        path.write_text(json.dumps(row) + "\n")
+    assert ev.load_benchmark("olympiadbench", source=str(path)) == [
+        {"id": "Olympiad-Bench-7", "problem": "P", "answer": "(1,2)"}]
+
+
+@pytest.mark.skipif(not os.path.isdir(BENCH), reason="../shared/data/benchmarks is absent")
+def test_justrl_olympiadbench_variant_from_the_command_line(tiny, tmp_path):
+    """JustRL's 674-row OlympiadBench (relay problems given a concrete T, id 1965 dropped, golds in $...$)
+    loads through --source; a malformed --source is refused by name."""
+    variant = os.path.join(BENCH, "variants", "justrl", "olympiadbench.jsonl")
+    rows = ev.load_benchmark("olympiadbench", source=variant)
+    assert len(rows) == 674 and not any(r["answer"].startswith("$") for r in rows)
+    relay = "Let $T=T N Y W R$"  # "the number you will receive": unsolvable alone
+    assert sum(relay in r["problem"] for r in rows) == 0
+    assert sum(relay in r["problem"] for r in ev.load_benchmark("olympiadbench", BENCH)) == 15
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", str(tiny[0] / "model"),
+                        "--benchmarks", "olympiadbench", "--source", f"olympiadbench={variant}", "--limit", "1",
+                        "--samples", "1", "--max-tokens", "4", "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    sample = json.loads(open(tmp_path / "o" / "samples.jsonl").readline())
+    assert sample["problem"] == rows[0]["problem"] and sample["gold"] == rows[0]["answer"]
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", "x", "--source", "gsm8k=a.jsonl"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "--source: expected NAME=FILE" in r.stderr
+
+
 def test_olympiad_multi_answer_golds_join():
     row = {"id": 1, "question": "P", "final_answer": ["$(1,8,19)$", "$(2,7,13)$"]}
-    assert ev.hub_row("olympiadbench", row, 0)["answer"] == "(1,8,19), (2,7,13)"
+    assert ev.benchmark_row("olympiadbench", row, 0, "x")["answer"] == "(1,8,19), (2,7,13)"
 
 
 def test_avg_and_pass_at_k_by_hand():
@@ -82,9 +122,10 @@ def test_end_to_end_on_the_toy_model_and_compare(tiny, tmp_path):
     data = six_benchmarks(tmp_path / "data")
     cmd = [sys.executable, os.path.join(ROOT, "eval.py"), "--model", model, "--data-dir", str(data),
            "--limit", "2", "--samples", "2", "--max-tokens", "32"]
+    judge = ["--judge", model, "--judge-max-tokens", "2"]  # run b: the toy model as a (useless) judge
     for out in ("a", "b"):
-        r = subprocess.run(cmd + ["--out", str(tmp_path / out), "--seed", str(ord(out))], capture_output=True,
-                           text=True, cwd=ROOT, timeout=600)
+        r = subprocess.run(cmd + ["--out", str(tmp_path / out), "--seed", str(ord(out))] + judge * (out == "b"),
+                           capture_output=True, text=True, cwd=ROOT, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
     summary = (tmp_path / "a" / "summary.md").read_text()
     for name in ev.BENCHMARKS:
@@ -104,6 +145,12 @@ def test_end_to_end_on_the_toy_model_and_compare(tiny, tmp_path):
                         str(tmp_path / "b")], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.count("\n") == 2 + 7
     rb = json.load(open(tmp_path / "b" / "results.json"))["table"]
+    judged = [json.loads(x) for x in open(tmp_path / "b" / "samples.jsonl")]
+    assert all(s["judged"] == (s["correct"] or s["judge"] == "A") for s in judged)
+    assert all(s["judge"] is None for s in judged if s["correct"])
+    assert "avg@k rule+judge (%)" in (tmp_path / "b" / "summary.md").read_text()
+    assert rb["math500"]["avg@k judged"] >= rb["math500"]["avg@k"]
+    assert json.load(open(tmp_path / "b" / "results.json"))["judge_s_per_judged_sample"] > 0
     diff = rb["math500"]["avg@k"] - res["table"]["math500"]["avg@k"]
     assert f"| math500 | {res['table']['math500']['avg@k']:.2f} | {rb['math500']['avg@k']:.2f} | {diff:+.2f} |" \
         in r.stdout
@@ -203,3 +250,47 @@ def test_a_rank_with_no_problems_returns_no_records(tiny, tmp_path):
     assert ev.evaluate(engine, tok, ["math500"], 2, 1.0, 1.0, 4, rank=3, world=4, data_dir=str(data), limit=2) == []
     assert len(ev.evaluate(engine, tok, ["math500"], 2, 1.0, 1.0, 4, rank=1, world=4, data_dir=str(data),
                            limit=2)) == 2
+
+
+class TextEngine:
+    """Writes the same text for every sample."""
+
+    def __init__(self, tok, text):
+        self.ids = tok(text, add_special_tokens=False)["input_ids"]
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
+        from rollout import Sample
+        return [[Sample(self.ids, "stop")] * n for _ in prompts]
+
+
+def test_unboxed_answers_count_only_with_the_flag(tiny, tmp_path):
+    _, tok = tiny
+    data = six_benchmarks(tmp_path / "data")  # golds 1, 2, 3
+    engine = TextEngine(tok, "So the answer is $2$.")
+    boxed = ev.evaluate(engine, tok, ["math500"], 1, 1.0, 1.0, 8, data_dir=str(data))
+    unboxed = ev.evaluate(engine, tok, ["math500"], 1, 1.0, 1.0, 8, data_dir=str(data), unboxed=True)
+    assert [r["correct"] for r in boxed] == [False] * 3 and boxed[0]["extracted"] is None
+    assert [r["correct"] for r in unboxed] == [False, True, False] and unboxed[1]["extracted"] == "2"
+
+
+def test_the_judge_sees_each_rejected_sample_and_only_its_A_counts(tiny, tmp_path, monkeypatch):
+    """The real toy model generates the judge's replies; the verdicts are faked in order (A, B, C, none),
+    since a tiny model cannot judge. Samples the rules accept are never sent to the judge."""
+    import argparse
+    import torch
+    import reward
+    d, _ = tiny
+    template = tmp_path / "judge.txt"
+    template.write_text("Q:{question} G:{gold_answer} R:{llm_response} V:")
+    seen, verdicts = [], iter(["A", "B", "C", None])
+    real_prompt = reward.judge_prompt
+    monkeypatch.setattr(reward, "judge_prompt", lambda *x: seen.append(x) or real_prompt(*x))
+    monkeypatch.setattr(reward, "judge_verdict", lambda reply: next(verdicts))
+    records = [{"problem": f"P{i}", "gold": str(i), "completion": f"x{i}", "correct": i == 2} for i in range(5)]
+    args = argparse.Namespace(judge=str(d / "model"), judge_prompt=str(template), engine="hf", judge_max_tokens=2,
+                              gpu_memory_utilization=0.5)
+    assert ev.judge(records, args, torch.device("cpu")) > 0
+    assert [x[:3] for x in seen] == [(f"P{i}", str(i), f"x{i}") for i in (0, 1, 3, 4)]
+    assert seen[0][3] == template.read_text()
+    assert [r["judge"] for r in records] == ["A", "B", None, "C", None]
+    assert [r["judged"] for r in records] == [True, False, True, False, False]
