@@ -3,6 +3,7 @@
     python eval.py --model PATH_OR_HUB_ID [--preset train|justrl] [--benchmarks all] [--limit N]
     torchrun --nproc_per_node 8 eval.py --model ...       # the problems are sharded over ranks
     python eval.py --compare runs/eval_a runs/eval_b      # two results side by side
+    python eval.py --model ... --judge opencompass/CompassVerifier-3B   # the rules, then a judge model
 
 k samples per problem (32 for AIME24/25 and AMC23, 4 for the others), each problem seeded; avg@k is the
 mean accuracy over the k samples, pass@k the fraction of problems with a correct sample. "Correct" is
@@ -127,27 +128,21 @@ def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0
     return records
 
 
-def judge(records, a, device):
+def judge(records, engine, tok, template=None, max_tokens=16):
     """A second opinion on every sample the rules rejected, as JustRL grades with CompassVerifier-3B: the
     judge model reads the problem, the gold and the whole response, greedily, and only its "A" counts.
-    Returns the seconds it took. Each sample gets `judge` (its letter, None when not asked) and `judged`."""
-    from transformers import AutoTokenizer
+    Each sample gets `judge` (the letter; None when not asked) and `judged` (right by rules or judge)."""
     from reward import judge_prompt, judge_verdict
-    from rollout import encode_prompt, make_engine
-    t0, tok = time.time(), AutoTokenizer.from_pretrained(a.judge)
-    template = open(a.judge_prompt).read() if a.judge_prompt else None
+    from rollout import encode_prompt
     todo = [r for r in records if not r["correct"]]
     prompts = [encode_prompt(tok, judge_prompt(r["problem"], r["gold"], r["completion"], template), suffix="")
                for r in todo]
-    engine = make_engine(a.engine, a.judge, tok, device, max(map(len, prompts), default=0) + a.judge_max_tokens,
-                         a.gpu_memory_utilization, for_training=False)
-    outs = engine.generate(prompts, 1, 0.0, 1.0, a.judge_max_tokens, seeds=[0] * len(prompts))
+    outs = engine.generate(prompts, 1, 0.0, 1.0, max_tokens, seeds=[0] * len(prompts))
     for r, out in zip(todo, outs):
         r["judge"] = judge_verdict(tok.decode(out[0].tokens, skip_special_tokens=True))
     for r in records:
-        r.setdefault("judge", None)  # not asked: the rules accepted it
+        r.setdefault("judge", None)
         r["judged"] = r["correct"] or r["judge"] == "A"
-    return time.time() - t0
 
 
 def evaluate_during_training(engine, tok, args, rank, world):
@@ -184,7 +179,7 @@ def main(argv=None):
                    help="a benchmark from a local .jsonl/.parquet in our, the Hub's or verl's layout (repeatable)")
     p.add_argument("--unboxed", action="store_true", help="also grade unboxed final answers (not the paper's)")
     p.add_argument("--judge", metavar="MODEL", help="a judge for what the rules reject: opencompass/CompassVerifier-3B")
-    p.add_argument("--judge-prompt", metavar="FILE", help="the judge's template: {question} {gold_answer} {llm_response}")
+    p.add_argument("--judge-prompt", metavar="FILE", help="the judge's template (reward.JUDGE_PROMPT's fields)")
     p.add_argument("--judge-max-tokens", type=int, default=16)
     p.add_argument("--out", default="runs/eval")
     p.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
@@ -212,42 +207,48 @@ def main(argv=None):
     try:
         run(a, names, temperature, top_p, rank, world, device)
     finally:
-        if own_group:  # a clean exit: a live process group at interpreter exit can abort the process
+        if own_group and dist.is_initialized():  # a process group alive at exit can abort the process
             dist.destroy_process_group()
 
 
-def run(a, names, temperature, top_p, rank, world, device):
-    import gc
-    import torch
+def load_engine(a, model, device, max_model_len):
+    """A model's tokenizer and inference engine, its context capped at the model's own."""
     from transformers import AutoConfig, AutoTokenizer
-    from rollout import gather, make_engine
-    tok = AutoTokenizer.from_pretrained(a.model)
-    longest = getattr(AutoConfig.from_pretrained(a.model), "max_position_embeddings", None) or 1 << 30
-    engine = make_engine(a.engine, a.model, tok, device, max_model_len=min(a.max_tokens + 2048, longest),
-                         gpu_memory_utilization=a.gpu_memory_utilization, for_training=False)
+    from rollout import make_engine
+    tok = AutoTokenizer.from_pretrained(model)
+    longest = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None) or max_model_len
+    return tok, make_engine(a.engine, model, tok, device, min(max_model_len, longest), a.gpu_memory_utilization,
+                            for_training=False)
+
+
+def run(a, names, temperature, top_p, rank, world, device):
+    import torch.distributed as dist
+    from rollout import gather
+    tok, engine = load_engine(a, a.model, device, a.max_tokens + 2048)
     t0 = time.time()
     mine = evaluate(engine, tok, names, a.samples, temperature, top_p, a.max_tokens, rank, world, a.data_dir,
                     a.limit, a.chat_template, a.enable_thinking, a.seed, a.sources, a.unboxed)
-    seconds = time.time() - t0
-    if a.judge:  # the policy's engine goes first: the judge's takes its memory
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    judge_seconds = judge(mine, a, device) if a.judge else 0.0
+    seconds, judge_seconds = time.time() - t0, 0.0
+    if a.judge:  # the policy's engine sleeps (vLLM on GPU frees its weights and KV cache) for the judge's;
+        engine.sleep()  # both live to the end of run(): a vLLM engine's shutdown destroys the process group
+        judge_tok, judge_engine = load_engine(a, a.judge, device, 1 << 20)
+        t0 = time.time()
+        judge(mine, judge_engine, judge_tok, a.judge_prompt and open(a.judge_prompt).read(), a.judge_max_tokens)
+        judge_seconds = time.time() - t0
     records = sum(gather(mine), [])
     if rank == 0:
         rows = summarize(records)
         os.makedirs(a.out, exist_ok=True)
         results = {"model": a.model, "preset": a.preset, "config": vars(a), "table": rows,
                    "samples_per_s": len(records) / seconds, "tokens_per_s": sum(r["length"] for r in records) / seconds}
-        if a.judge:  # rank 0's cost: the judge's start-up included
+        if a.judge:  # rank 0's cost, the judge's start-up excluded
             results["judge_s_per_judged_sample"] = judge_seconds / max(1, sum(not r["correct"] for r in mine))
         for name, text in (("samples.jsonl", "".join(json.dumps(r) + "\n" for r in records)),
                            ("summary.md", table(rows) + "\n"), ("results.json", json.dumps(results, indent=1))):
             with open(os.path.join(a.out, name), "w") as f:
                 f.write(text)
         print(table(rows))
+    dist.barrier()  # all ranks done, engines alive (a vLLM engine's shutdown destroys the group), then exit
 
 
 if __name__ == "__main__":

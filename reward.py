@@ -1,19 +1,23 @@
 """reward.py: the answer checker behind the reward (+1 / -1) and every benchmark number.
 
-    extract_boxed(text)                -> str | None   the last \\boxed{...} (or \\boxed x, \\fbox{...})
+    extract_boxed(text)                -> str | None   the final boxed answer (boxes joined by "and" or commas)
+    extract_answer(text)               -> str | None   boxed, else an unboxed final answer (eval.py --unboxed)
     is_equivalent(pred, gold, timeout) -> bool         math equivalence of two final answers
-    score(completion, gold)            -> float        +1.0 if the last box is equivalent to gold, else -1.0
+    score(completion, gold)            -> float        +1.0 if the final box is equivalent to gold, else -1.0
+    judge_prompt / judge_verdict                       the judge's prompt and its A/B/C verdict (eval.py --judge)
 
 Model output is hostile. It never reaches eval, exec, sympify or parse_expr: a small parser of our own
 turns whitelisted tokens into sympy objects directly, and refuses power towers, huge factorials, deep
 nesting and overlong answers up front. The common cases (equal strings, plain numbers) never touch sympy;
 the rest runs in a worker process per thread, killed and restarted on timeout, so no check can hang.
 
-Rules, in order: strings equal after normalisation; structures (\\begin{pmatrix} matrices element-wise;
-(a,b] tuples and intervals element-wise with equal brackets; \\{sets\\}, comma lists and \\cup unions as
-multisets); equations (both sides, or `x = 5` ~ `5` when the left side is a bare variable); inequalities
-of one variable become intervals (`x \\ge 2` ~ `[2, \\infty)`, both ways); numbers (exact when both are
-exact; relative tolerance REL_TOL = 1e-4 when either is written as a decimal); else sympy.simplify.
+Rules, in order: normalisation (spacing, units, degrees, \\%, thousands separators of a lone number, \\pm
+expanded); strings equal after it (words case-insensitively); a named answer (`x = 5`, `(x,y) = (3,2)`,
+`AB = 4`) against its value; structures (\\begin{pmatrix} matrices element-wise; (a,b] tuples and intervals
+element-wise with equal brackets; \\{sets\\}, comma lists and \\cup unions as multisets, a set equal to
+the same list); equations (both sides); inequalities of one variable become intervals (`x \\ge 2` ~
+`[2, \\infty)`, both ways, the variable kept); numbers (exact when both are exact, mixed numbers included;
+relative tolerance REL_TOL = 1e-4 when either is written as a decimal); else sympy.simplify.
 """
 import atexit, json, math, os, re, select, subprocess, sys, threading, time, weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -48,23 +52,24 @@ def _boxes(text):
     return out
 
 
-_BETWEEN_BOXES = re.compile(r"[\s$.,;]*(?:(?:\\text\{\s*)?(?:and|or)\s*\}?|\\q?quad)?[\s$.,;]*")
+_BETWEEN_BOXES = re.compile(r"[\s$]*(?:[,;]|(?:,\s*)?(?:\\text\{\s*)?(?:and|or)\s*\}?|\\q?quad)[\s$]*")
 
 
 def extract_boxed(text):
-    """The final boxed answer: the content of the last box, joined with the boxes just before it when only
-    commas or `and` stand between them (`\\boxed{1} and \\boxed{-2}` -> `1, -2`); None if there is no box."""
+    """The final boxed answer: the content of the last box, joined with the boxes just before it when a
+    comma, `and`, `or` or a \\quad separates them (`\\boxed{1} and \\boxed{-2}` -> `1, -2`; but
+    `\\boxed{3}\\boxed{7}` -> `7`, the last box, as in DAPO's reward); None if there is no box."""
     boxes = _boxes(text) if isinstance(text, str) else []
-    if not boxes:
-        return None
+    if not boxes or max(text.rfind("\\boxed"), text.rfind("\\fbox")) >= boxes[-1][1]:
+        return None  # no box, or the last one never closes (`\\boxed{5}\\boxed{`): no final answer
     last = [boxes.pop()]
     while boxes and _BETWEEN_BOXES.fullmatch(text[boxes[-1][1]:last[0][0]]):
         last.insert(0, boxes.pop())
     return ", ".join(b[2] for b in last)
 
 
-_FINAL = re.compile(r"answer\s*(?:\*\*)?\s*(?:is|:|=)\s*:?\s*(?:\*\*)?\s*(\$\$?[^$]+\$\$?|\\\(.+?\\\)|\\\[.+?\\\]|[^\n]+)",
-                    re.I)
+_FINAL = re.compile(r"answer\s*(?:\*\*)?\s*(?:is|:|=)\s*:?\s*(?:\*\*)?\s*"
+                    r"(\$\$?[^$]+\$\$?|\\\(.+?\\\)|\\\[.+?\\\]|[^\n]+)", re.I)
 _CONCLUDES = re.compile(r"(?:therefore|thus|hence|so|finally)\b[^.\n]*?(\$[^$]+\$|\\\(.+?\\\))", re.I)
 
 

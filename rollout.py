@@ -164,8 +164,8 @@ def gather(obj):
     return parts
 
 
-def all_sum(*xs, op=dist.ReduceOp.SUM):
-    """Sums (or another op) over ranks of a few numbers: a CPU tensor, which gloo carries also on GPU."""
+def all_reduce_numbers(*xs, op=dist.ReduceOp.SUM):
+    """A few numbers reduced over ranks (summed, or `op`): a CPU tensor, which gloo carries also on GPU."""
     t = torch.tensor([float(x) for x in xs], dtype=torch.float64)
     dist.all_reduce(t, op=op)
     return t.tolist()
@@ -236,7 +236,8 @@ class HFEngine:
     @torch.no_grad()
     def logprobs_of(self, tokens):
         logits = self.model(torch.tensor([tokens], device=self.device)).logits[0, :-1].float()
-        return logits.log_softmax(-1).gather(-1, torch.tensor(tokens[1:], device=self.device)[:, None])[:, 0].tolist()
+        targets = torch.tensor(tokens[1:], device=self.device)
+        return logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0].tolist()
 
     def sleep(self):
         pass
@@ -257,14 +258,15 @@ class VLLMEngine:
         os.environ.setdefault("LOCAL_RANK", "0")                                                # reads both
         cuda = torch.cuda.is_available()
         self.dtype = torch.bfloat16 if cuda else torch.float32
-        self.can_sleep = for_training and cuda
+        self.can_sleep = cuda
         cpu_only = {} if cuda else {"enforce_eager": True, "enable_chunked_prefill": False}
         self.llm = LLM(model=model, distributed_executor_backend="external_launcher", tensor_parallel_size=1,
                        seed=0, gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
                        max_model_len=max_model_len, logprobs_mode="processed_logprobs",
                        load_format="dummy" if for_training else "auto", dtype=str(self.dtype)[6:], **cpu_only)
         self.cuda, self.asleep = cuda, False
-        self.sleep()
+        if for_training:  # its dummy weights wait for the first sync
+            self.sleep()
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
         """No allowed_token_ids: the trainer's log-probs are over the whole embedding, padded rows

@@ -165,8 +165,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
-from rollout import (all_sum, append_jsonl, drop_steps_after, encode_problems, encode_prompt,  # noqa: E402
-                     gather, gather_cat, init_distributed, load_problems, seed_of, step_prompts)
+from rollout import (all_reduce_numbers, append_jsonl, drop_steps_after, encode_problems,  # noqa: E402
+                     encode_prompt, gather, gather_cat, init_distributed, load_problems, seed_of, step_prompts)
 
 # Every setting is a flag (--prompts-per-step 256 ...). The defaults are the paper's: JustRL's recipe + S2T
 # on Qwen3-8B-Base (README: The paper's settings). One line per part of the recipe.
@@ -271,7 +271,7 @@ def micro_batches(rows, idx, budget):
         cur, longest = cur + [i], max(longest, n)
     if cur:
         out.append(cur)
-    count = int(all_sum(len(out), op=dist.ReduceOp.MAX)[0])
+    count = int(all_reduce_numbers(len(out), op=dist.ReduceOp.MAX)[0])
     return out + [None] * (count - len(out))
 
 
@@ -308,12 +308,12 @@ def token_weights(method, logp, ent, adv, valid, args):
     paper compares. Thresholds are computed over the whole mini-batch on all ranks."""
     if method == "grpo":  # token mean per sequence, then mean over sequences
         keep = valid / valid.sum(1, keepdim=True).clamp(min=1)
-        return keep, all_sum(len(valid))[0], None
+        return keep, all_reduce_numbers(len(valid))[0], None
     if method == "justrl":  # every response token
-        return valid, all_sum(valid.sum())[0], None
+        return valid, all_reduce_numbers(valid.sum())[0], None
     if method == "entropy20":  # the top 20% entropy tokens
         keep = valid & (ent >= quantile(gather_cat(ent[valid]), 0.8).to(ent.device))
-        return keep, all_sum(keep.sum())[0], None
+        return keep, all_reduce_numbers(keep.sum())[0], None
     # stapo: S2T with one tau_h over the candidates of all ranks (every candidate has H < inf)
     candidates = s2t_mask(logp, ent, adv, valid, args.tau_p, tau_h=float("inf"))
     pooled = gather_cat(ent[candidates])
@@ -321,7 +321,7 @@ def token_weights(method, logp, ent, adv, valid, args):
     silenced = s2t_mask(logp, ent, adv, valid, args.tau_p, args.q, tau_h)  # none pooled: none here either
     keep = valid & ~silenced
     s2t = {"silenced": silenced, "candidates": len(pooled), "tau_h": tau_h}
-    return keep, all_sum(keep.sum())[0], s2t
+    return keep, all_reduce_numbers(keep.sum())[0], s2t
 
 
 def update(policy, opt, rows, idx, keep, denom, old_logp, adv, valid, args, device, metrics):
@@ -395,8 +395,8 @@ class StepMetrics:
             self.tau_h += [s2t["tau_h"]] if s2t["tau_h"] is not None else []
 
     def finish(self, step, lr, probe_gap, group_size):
-        n = dict(zip(SUMS, all_sum(*self.sums.values())))
-        longest, gap_max = all_sum(self.longest, self.gap_max, op=dist.ReduceOp.MAX)
+        n = dict(zip(SUMS, all_reduce_numbers(*self.sums.values())))
+        longest, gap_max = all_reduce_numbers(self.longest, self.gap_max, op=dist.ReduceOp.MAX)
         step_s = time.time() - self.t0
         return {
             "step": step + 1,

@@ -1,22 +1,28 @@
 """The CPU toy: a tiny Qwen3 learns single-digit addition with STAPO, offline, in a few minutes on 2 cores.
 
     python examples/toy.py [--out runs/toy] [--method stapo|justrl|grpo|entropy20] [--steps 600]
+    python examples/toy.py --method all --out runs/toy4    # the four objectives from one warm start
 
 1. Builds a BPE tokenizer (with a chat template) and a 2-layer Qwen3 from scratch: no downloads.
 2. Warm-starts it with a short supervised phase, stopped early: it learns the `\\boxed{n}` format and a
    first, partial sense of the sums (about a quarter of the held-out problems right).
 3. Runs the real trainer (stapo.train, imported, not copied) on 80 of the 100 problems "What is a + b?".
 4. Prints greedy accuracy on the 20 held-out problems before and after: `toy: accuracy A -> B`.
-The trained model lands in <out>/rl/model, loadable by transformers and eval.py.
+The trained model lands in <out>/rl/model, loadable by transformers and eval.py. With --method all, each
+objective trains from the same warm start with the same seeds into <out>/<method>; a table compares them
+and <out>/curves.png draws their curves (curves.py).
 """
-import argparse, json, os, random, sys
+import argparse, json, os, random, sys, time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import curves  # noqa: E402
 import stapo  # noqa: E402
 from rollout import SUFFIX, HFEngine  # noqa: E402
+
+METHODS = ["stapo", "justrl", "grpo", "entropy20"]
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -88,10 +94,24 @@ def greedy_accuracy(model_path, tok, rows):
     return sum(score(tok.decode(o[0].tokens), r["answer"]) > 0 for o, r in zip(outs, rows)) / len(rows)
 
 
+def train_one(a, method, base, out):
+    """One RL run of the toy from the warm start `base`: (seconds, its metrics.jsonl rows)."""
+    t0 = time.time()
+    stapo.train(stapo.get_args([
+        "--model", base, "--dataset", os.path.join(a.out, "train.jsonl"), "--out", out, "--method", method,
+        "--steps", str(a.steps), "--prompts-per-step", str(a.prompts), "--group-size", "8",
+        "--minibatches", str(a.minibatches), "--micro-tokens", "4096", "--max-prompt-len", "64",
+        "--max-response-len", "8", "--lr", str(a.lr), "--warmup-steps", "0", "--weight-decay", "0",
+        "--save-every", "0", "--tau-p", "0.05"]))
+    seconds = time.time() - t0
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return seconds, [json.loads(line) for line in f]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/toy")
-    p.add_argument("--method", default="stapo", choices=["stapo", "justrl", "grpo", "entropy20"])
+    p.add_argument("--method", default="stapo", choices=METHODS + ["all"])
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--prompts", type=int, default=32, help="prompts per step")
@@ -107,14 +127,22 @@ def main(argv=None):
     model = warm_start(build_model(base, tok), tok, train, steps=a.sft_steps)
     model.save_pretrained(base)
     before = greedy_accuracy(base, tok, held_out)
-    stapo.train(stapo.get_args([
-        "--model", base, "--dataset", os.path.join(a.out, "train.jsonl"), "--out", os.path.join(a.out, "rl"),
-        "--method", a.method, "--steps", str(a.steps), "--prompts-per-step", str(a.prompts), "--group-size", "8",
-        "--minibatches", str(a.minibatches), "--micro-tokens", "4096", "--max-prompt-len", "64", "--max-response-len", "8",
-        "--lr", str(a.lr), "--warmup-steps", "0", "--weight-decay", "0", "--save-every", "0", "--tau-p", "0.05"]))
-    after = greedy_accuracy(os.path.join(a.out, "rl", "model"), tok, held_out)
-    print(f"toy: accuracy {before:.2f} -> {after:.2f}")
-    return before, after
+    if a.method != "all":
+        train_one(a, a.method, base, os.path.join(a.out, "rl"))
+        after = greedy_accuracy(os.path.join(a.out, "rl", "model"), tok, held_out)
+        print(f"toy: accuracy {before:.2f} -> {after:.2f}")
+        return before, after
+    table = ["| objective | held-out accuracy | final entropy (last 10 steps) | mean silenced fraction | wall time |",
+             "|---|---|---|---|---|"]
+    for method in METHODS:
+        seconds, m = train_one(a, method, base, os.path.join(a.out, method))
+        after = greedy_accuracy(os.path.join(a.out, method, "model"), tok, held_out)
+        entropy = sum(x["entropy_mean"] for x in m[-10:]) / len(m[-10:])
+        silenced = sum(x["silenced_frac"] for x in m) / len(m)
+        table.append(f"| {method} | {before:.2f} -> {after:.2f} | {entropy:.3f} | {silenced:.4f} | {seconds:.0f} s |")
+    print("\n".join(table))
+    curves.draw_curves({m: os.path.join(a.out, m) for m in METHODS}, os.path.join(a.out, "curves.png"), window=10)
+    return table
 
 
 if __name__ == "__main__":

@@ -276,10 +276,9 @@ def test_unboxed_answers_count_only_with_the_flag(tiny, tmp_path):
 def test_the_judge_sees_each_rejected_sample_and_only_its_A_counts(tiny, tmp_path, monkeypatch):
     """The real toy model generates the judge's replies; the verdicts are faked in order (A, B, C, none),
     since a tiny model cannot judge. Samples the rules accept are never sent to the judge."""
-    import argparse
     import torch
     import reward
-    d, _ = tiny
+    d, tok = tiny
     template = tmp_path / "judge.txt"
     template.write_text("Q:{question} G:{gold_answer} R:{llm_response} V:")
     seen, verdicts = [], iter(["A", "B", "C", None])
@@ -287,9 +286,9 @@ def test_the_judge_sees_each_rejected_sample_and_only_its_A_counts(tiny, tmp_pat
     monkeypatch.setattr(reward, "judge_prompt", lambda *x: seen.append(x) or real_prompt(*x))
     monkeypatch.setattr(reward, "judge_verdict", lambda reply: next(verdicts))
     records = [{"problem": f"P{i}", "gold": str(i), "completion": f"x{i}", "correct": i == 2} for i in range(5)]
-    args = argparse.Namespace(judge=str(d / "model"), judge_prompt=str(template), engine="hf", judge_max_tokens=2,
-                              gpu_memory_utilization=0.5)
-    assert ev.judge(records, args, torch.device("cpu")) > 0
+    from rollout import HFEngine
+    engine = HFEngine(str(d / "model"), torch.device("cpu"), torch.float32, tok.eos_token_id)
+    ev.judge(records, engine, tok, template.read_text(), max_tokens=2)
     assert [x[:3] for x in seen] == [(f"P{i}", str(i), f"x{i}") for i in (0, 1, 3, 4)]
     assert seen[0][3] == template.read_text()
     assert [r["judge"] for r in records] == ["A", "B", None, "C", None]

@@ -137,9 +137,12 @@ def test_extract_boxed():
     assert extract_boxed("x = \\boxed{1} and x = \\boxed{-2}.") == "-2"  # words between: the last box only
     assert extract_boxed("$\\boxed{1}$ and $\\boxed{-2}$") == "1, -2"  # boxed separately: one answer
     assert extract_boxed("\\boxed{1}, \\boxed{2}, \\text{ or } \\boxed{3}") == "1, 2, 3"
+    assert extract_boxed("\\boxed{3}\\boxed{7}") == "7" and extract_boxed("\\boxed{3} $\\boxed{7}$") == "7"  # no separator
+    assert extract_boxed("\\boxed{1} \\quad \\boxed{2}") == "1, 2"
     assert extract_boxed("\\boxed{\\boxed{7}}") == "\\boxed{7}" and score("\\boxed{\\boxed{7}}", "7") == 1.0
     assert extract_boxed("no box here") is None
     assert extract_boxed("\\boxed{unbalanced") is None
+    assert extract_boxed("\\boxed{5}\\boxed{{") is None  # the last box never closes: no final answer (as DAPO)
     assert extract_boxed(None) is None
 
 

@@ -339,6 +339,7 @@ for method in ("stapo", "entropy20", "justrl", "grpo"):
                    "tau_h": s2t and s2t["tau_h"], "candidates": s2t and s2t["candidates"]}
 if rank == 0:
     json.dump(out, open(sys.argv[2], "w"))
+torch.distributed.barrier()  # no rank tears the group down while another still works
 torch.distributed.destroy_process_group()  # alive at exit, a process group can abort the process
 """
 

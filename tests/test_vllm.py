@@ -74,11 +74,14 @@ def test_real_engine_trains_on_two_ranks_resumes_and_evaluates(tiny_vllm, tmp_pa
     data.mkdir()
     (data / "math500.jsonl").write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i} + 1?",
                                                             "answer": str(i + 1)}) + "\n" for i in range(3)))
+    (tmp_path / "judge.txt").write_text("Q:{question} G:{gold_answer} R:{llm_response} V:")  # fits 256 positions
     run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", str(out / "model"), "--engine", "vllm",
          "--data-dir", str(data), "--benchmarks", "math500", "--samples", "2", "--max-tokens", "8",
-         "--out", str(tmp_path / "eval")])
+         "--out", str(tmp_path / "eval"), "--judge", str(d / "model"), "--judge-prompt", str(tmp_path / "judge.txt")])
     samples = [json.loads(x) for x in open(tmp_path / "eval" / "samples.jsonl")]
     assert len(samples) == 3 * 2 and all(s["length"] >= 1 for s in samples)
+    # a second vLLM engine (the judge) in the same process, after the policy's: every rejected sample judged
+    assert all("judge" in s and s["judged"] == (s["correct"] or s["judge"] == "A") for s in samples)
 
 
 # ---- the GPU path's order, on a fake --------------------------------------------------------------------

@@ -1,0 +1,129 @@
+"""curves.py: the paper's panels from run folders, and what S2T silenced.
+
+    python curves.py runs/stapo runs/grpo --out curves.png          # one line per run, steps on x
+    python curves.py --silenced runs/stapo runs/justrl --out silenced.png
+
+A run folder is what `stapo.py --out` writes: metrics.jsonl (one line per step) and silenced.jsonl (one
+line per silenced token: the token, its p and H). The silenced view prints the most frequent silenced
+tokens of each run as a table (it diffs between runs) and draws the p and H histograms: the paper's
+word-cloud analysis in a form that compares. matplotlib is imported only here, only when drawing.
+"""
+import argparse, collections, json, os, sys
+
+# (panel title, [(metrics.jsonl key, line label)], y-axis label)
+PANELS = [
+    ("Accuracy and reward", [("accuracy", "accuracy"), ("reward_mean", "reward")], ""),
+    ("Token entropy", [("entropy_mean", None)], "nats"),
+    ("Response length", [("response_len_mean", None)], "tokens"),
+    ("Silenced tokens", [("silenced_frac", None)], "fraction of response tokens"),
+    ("Entropy threshold τ_h", [("tau_h", None)], "nats"),
+    ("Clip fractions", [("clip_low", "low"), ("clip_high", "high")], "fraction of kept tokens"),
+    ("Grad norm", [("grad_norm", None)], "before clipping"),
+    ("Held-out accuracy (--eval-every)", [("eval/average", None)], "avg@k (%)"),
+]
+STYLES = ["-", "--", ":"]
+
+
+def pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("curves.py draws with matplotlib, which is not installed: pip install matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def read_jsonl(path):
+    if not os.path.exists(path):
+        sys.exit(f"{path}: no such file (is {os.path.dirname(path)} a stapo.py --out folder?)")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def smooth(ys, window):
+    """Trailing moving average over `window` steps (1: as logged)."""
+    out = []
+    for i in range(len(ys)):
+        part = ys[max(0, i - window + 1):i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def series(rows, key):
+    """(steps, values) of one metric, skipping the steps that lack it (tau_h with nothing to silence)."""
+    points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def draw_curves(runs, out, window=1):
+    plt = pyplot()
+    metrics = {name: read_jsonl(os.path.join(path, "metrics.jsonl")) for name, path in runs.items()}
+    panels = [p for p in PANELS if any(series(rows, k)[0] for rows in metrics.values() for k, _ in p[1])]
+    cols = 4 if len(panels) > 4 else len(panels)
+    rows_n = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n), squeeze=False)
+    for ax, (title, keys, ylabel) in zip(axes.flat, panels):
+        for color, (name, rows) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], metrics.items()):
+            for style, (key, label) in zip(STYLES, keys):
+                steps, values = series(rows, key)
+                ax.plot(steps, smooth(values, window), style, color=color,
+                        label=name if label is None else f"{name} {label}")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}: {len(panels)} panels, {len(runs)} runs")
+
+
+def silenced_table(tokens, top):
+    """Markdown: the `top` most frequent silenced tokens of each run, with counts, side by side."""
+    counts = {name: collections.Counter(r["token"] for r in recs) for name, recs in tokens.items()}
+    lines = ["| rank | " + " | ".join(f"{name} (of {sum(c.values())})" for name, c in counts.items()) + " |",
+             "|---" * (len(counts) + 1) + "|"]
+    ranked = {name: c.most_common(top) for name, c in counts.items()}
+    for i in range(max(map(len, ranked.values()), default=0)):
+        cells = [f"`{repr(r[i][0])[1:-1]}` {r[i][1]}" if i < len(r) else "" for r in ranked.values()]
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def draw_silenced(runs, out, top=20):
+    tokens = {name: read_jsonl(os.path.join(path, "silenced.jsonl")) for name, path in runs.items()}
+    print(silenced_table(tokens, top))
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, key, label in ((axes[0], "p", "probability p of the silenced token"),
+                           (axes[1], "H", "entropy H at the silenced token (nats)")):
+        for name, recs in tokens.items():
+            ax.hist([r[key] for r in recs], bins=30, alpha=0.5, label=f"{name} ({len(recs)})")
+        ax.set_xlabel(label)
+        ax.set_ylabel("silenced tokens")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="run folders (stapo.py --out); NAME=FOLDER names a run")
+    p.add_argument("--out", help="the PNG (default: curves.png, or silenced.png with --silenced)")
+    p.add_argument("--silenced", action="store_true", help="what S2T silenced, instead of the curves")
+    p.add_argument("--smooth", type=int, default=1, help="moving average over this many steps")
+    p.add_argument("--top", type=int, default=20, help="silenced tokens listed per run")
+    a = p.parse_args(argv)
+    runs = dict(r.split("=", 1) if "=" in r else (os.path.basename(os.path.normpath(r)), r) for r in a.runs)
+    if a.silenced:
+        draw_silenced(runs, a.out or "silenced.png", a.top)
+    else:
+        draw_curves(runs, a.out or "curves.png", max(1, a.smooth))
+
+
+if __name__ == "__main__":
+    main()
