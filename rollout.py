@@ -185,6 +185,21 @@ class Sample:
     logprobs: list = None   # the sampler's log-prob of each token, where the engine reports them
 
 
+def sample_token(logits, u, temperature, top_p=1.0):
+    """One token per row of logits [rows, V], drawn from softmax(logits / temperature), top-p truncated,
+    by inverse CDF: the first token whose cumulative probability exceeds u * total. u: [rows] uniforms in
+    [0, 1). In float64, so even a token of probability 1e-12 is drawn at its own rate. Temperature 0: argmax."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    p = (logits.double() / temperature).softmax(-1)
+    if top_p < 1:  # keep the smallest set of tokens whose probability reaches top_p
+        top, order = p.sort(-1, descending=True)
+        drop = top.cumsum(-1) - top >= top_p
+        p = p.masked_fill(drop.scatter(-1, order, drop), 0.0)
+    cdf = p.cumsum(-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+
+
 class HFEngine:
     """Sampling with HF `generate` on a private copy of the model."""
 
@@ -197,9 +212,11 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
-        """All prompts in one left-padded batch. Sample j of the prompt seeded s draws from its own
-        generator seeded s + j by Gumbel-max (argmax of logits/T + Gumbel noise is a draw from
-        softmax(logits/T)), so what it samples does not depend on what else is in the batch."""
+        """All prompts in one left-padded batch, decoded token by token with a KV cache (HF `generate`'s
+        per-token bookkeeping costs more than this tiny model's forward). Sample j of the prompt seeded s
+        draws its t-th token with the t-th uniform of its own generator seeded s + j (sample_token), so
+        what it samples does not depend on what else is in the batch."""
+        from transformers import DynamicCache
         rows = [p for p in prompts for _ in range(n)]
         if not rows:
             return []
@@ -207,21 +224,22 @@ class HFEngine:
         ids = torch.tensor([[0] * (width - len(p)) + p for p in rows], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.device)
         gens = [torch.Generator().manual_seed(seed + j) for seed in seeds for j in range(n)]
-        sampler = [] if temperature == 0 else [lambda _, z: self._gumbel(z, temperature, top_p, gens)]
-        seqs = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
-                                   logits_processor=sampler, eos_token_id=sorted(self.eos), pad_token_id=min(self.eos))
-        samples = [self._sample(s[width:].tolist()) for s in seqs]
+        cache, eos = DynamicCache(config=self.model.config), torch.tensor(sorted(self.eos), device=self.device)
+        done, out = torch.zeros(len(rows), dtype=torch.bool, device=self.device), []
+        for t in range(max_tokens):
+            if t % 256 == 0:  # the next 256 uniforms of every sample's own stream
+                u = torch.stack([torch.rand(256, generator=g, dtype=torch.float64) for g in gens]).to(self.device)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                                logits_to_keep=1).logits[:, -1]
+            ids = sample_token(logits, u[:, t % 256], temperature, top_p).masked_fill(done, min(self.eos))[:, None]
+            out.append(ids)
+            done |= torch.isin(ids[:, 0], eos)
+            if done.all():
+                break
+            mask = torch.cat([mask, torch.ones_like(ids)], 1)
+        samples = [self._sample(s) for s in torch.cat(out, 1).tolist()]
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
-
-    @staticmethod
-    def _gumbel(logits, temperature, top_p, gens):
-        z = logits.float() / temperature
-        if top_p < 1:  # keep the smallest set of tokens whose probability reaches top_p
-            p, order = z.softmax(-1).sort(-1, descending=True)
-            drop = p.cumsum(-1) - p >= top_p
-            z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-        u = torch.stack([torch.rand(z.shape[-1], generator=g) for g in gens]).to(z.device).clamp_(1e-20, 1)
-        return z - (-u.log()).log()
 
     def _sample(self, tokens):
         stop = next((i + 1 for i, t in enumerate(tokens) if t in self.eos), None)
