@@ -179,8 +179,9 @@ CONFIG = dict(
     tau_p=0.002, q=0.75,                                                                   # S2T
     engine="auto", gpu_memory_utilization=0.6, save_every=50, keep_ckpts=2, seed=0,        # infrastructure
     eval_every=0, eval_benchmarks="aime24,math500", eval_samples=0, eval_max_tokens=20480,  # 0 samples: paper's k
-    eval_data_dir="")
-CHOICES = {"method": ["stapo", "justrl", "grpo", "entropy20"], "engine": ["auto", "vllm", "hf"]}
+    eval_data_dir="", report_to="none")                                                    # also log to W&B/TB
+CHOICES = {"method": ["stapo", "justrl", "grpo", "entropy20"], "engine": ["auto", "vllm", "hf"],
+           "report_to": ["none", "wandb", "tensorboard"]}
 
 
 def get_args(argv=None):
@@ -202,8 +203,10 @@ class Policy(torch.nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, ids, attention_mask, response, temperature):
-        h = self.lm.get_decoder()(input_ids=ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(self, ids, response, temperature):
+        """ids are right-padded, so causal attention alone never lets a real token see a pad: no mask is
+        needed, and attention runs the fused causal kernel (no [T, T] mask or scores are ever stored)."""
+        h = self.lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
         at = response[:, 1:]  # the hidden state at t predicts token t + 1
         return token_logprobs_and_entropy(h[:, :-1][at], self.lm.get_output_embeddings().weight,
                                           ids[:, 1:][at], temperature)
@@ -231,9 +234,9 @@ def build_policy(path, mesh, device):
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     refuse_unusual_head(lm, path)
     lm.export_dtype = export_dtype
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy()
     if device.type == "cuda":
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     policy = Policy(lm)
     for layer in lm.get_decoder().layers:
@@ -283,8 +286,7 @@ def forward(policy, rows, idx, valid, temperature, device):
     for k, (i, s) in enumerate(zip(idx, seqs)):
         ids[k, :len(s)] = torch.tensor(s)
         response[k, len(rows[i][0]):len(s)] = True
-    attn = (torch.arange(ids.shape[1]) < torch.tensor([len(s) for s in seqs])[:, None]).long()
-    logp, ent = policy(ids.to(device), attn.to(device), response.to(device), temperature)
+    logp, ent = policy(ids.to(device), response.to(device), temperature)
     v = valid[idx]
     return torch.zeros(v.shape, device=device).masked_scatter(v, logp), \
         torch.zeros(v.shape, device=device).masked_scatter(v, ent)
@@ -292,12 +294,22 @@ def forward(policy, rows, idx, valid, temperature, device):
 
 @torch.no_grad()
 def no_grad_pass(policy, rows, idx, valid, args, device):
-    """(log p, H) of samples idx under the current policy, micro-batch by micro-batch."""
+    """(log p, H) [N, R] under the current policy, filled in for the samples idx, micro-batch by micro-batch."""
     logp, ent = torch.zeros(valid.shape, device=device), torch.zeros(valid.shape, device=device)
     for mb in micro_batches(rows, idx, args.micro_tokens):
         out = forward(policy, rows, mb or idx[:1], valid, args.temperature, device)
         if mb:
             logp[mb], ent[mb] = out
+    return logp, ent
+
+
+def current_pass(policy, rows, idx, valid, args, device):
+    """(log p, H) [len(idx), R] of mini-batch idx under the current policy: the S2T statistics. When the
+    mini-batch is one micro-batch on every rank this is the update's own forward, graph kept (log p
+    carries the gradient and update() runs no second forward); otherwise a no-grad pass."""
+    if len(micro_batches(rows, idx, args.micro_tokens)) == 1:
+        return forward(policy, rows, idx, valid, args.temperature, device)
+    logp, ent = no_grad_pass(policy, rows, idx, valid, args, device)
     return logp[idx], ent[idx]
 
 
@@ -324,16 +336,25 @@ def token_weights(method, logp, ent, adv, valid, args):
     return keep, all_reduce_numbers(keep.sum())[0], s2t
 
 
-def update(policy, opt, rows, idx, keep, denom, old_logp, adv, valid, args, device, metrics):
+def micro_logps(policy, rows, idx, valid, args, device, logp):
+    """(micro-batch, its log p with grad) for mini-batch idx: the current pass's own when it kept its graph."""
+    if logp.requires_grad:
+        yield idx, logp
+        return
+    for mb in micro_batches(rows, idx, args.micro_tokens):
+        sel = mb or idx[:1]  # an empty micro-batch runs one sample at zero weight
+        yield mb, forward(policy, rows, sel, valid, args.temperature, device)[0]
+
+
+def update(policy, opt, rows, idx, keep, denom, logp, old_logp, adv, valid, args, device, metrics):
     """One optimizer step on mini-batch idx. FSDP2 reduce-scatters the gradients after every
     micro-batch, so no rank ever holds an unsharded gradient of the whole model."""
     eps_high, clip_c = (args.eps_low, None) if args.method == "grpo" else (args.eps_high, args.clip_c)
     keep_all = torch.zeros(valid.shape, dtype=keep.dtype, device=device)
     keep_all[idx] = keep
-    for mb in micro_batches(rows, idx, args.micro_tokens):
-        sel = mb or idx[:1]  # an empty micro-batch runs one sample at zero weight
-        logp, _ = forward(policy, rows, sel, valid, args.temperature, device)
-        loss, st = stapo_loss(logp, old_logp[sel], adv[sel], keep_all[sel] * bool(mb), denom, args.eps_low,
+    for mb, mb_logp in micro_logps(policy, rows, idx, valid, args, device, logp):
+        sel = mb or idx[:1]
+        loss, st = stapo_loss(mb_logp, old_logp[sel], adv[sel], keep_all[sel] * bool(mb), denom, args.eps_low,
                               eps_high, clip_c)
         (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is already global
         metrics.add(kept=st["kept"], clip_low=st["clip_low"] * st["kept"], clip_high=st["clip_high"] * st["kept"])
@@ -377,15 +398,21 @@ class StepMetrics:
         for key, value in counts.items():
             self.sums[key] += float(value)
 
-    def rollout(self, samples, rows, rewards, valid, entropy, gap, group_size):
+    def rollout(self, samples, rows, rewards, group_size):
         self.add(samples=len(samples), correct=(rewards > 0).sum(), reward=rewards.sum(),
                  flat_groups=(rewards.view(-1, group_size).std(1) == 0).sum(),
-                 tokens=sum(len(p) + len(r) for p, r in rows), valid=valid.sum(),
-                 entropy=entropy[valid].sum(), truncated=sum(s.finish_reason == "length" for s in samples),
-                 gap_n=gap.numel(), gap=gap.sum())
+                 tokens=sum(len(p) + len(r) for p, r in rows),
+                 truncated=sum(s.finish_reason == "length" for s in samples))
         self.longest = max(len(s.tokens) for s in samples)
-        self.gap_max = float(gap.max()) if gap.numel() else 0.0
         self.t_rollout = time.time() - self.t0
+
+    def old_policy(self, samples, old_logp, old_ent, valid):
+        """The old policy's entropy, and |sampler log p - trainer log p| (it jumps when a sync breaks)."""
+        valid, gap = valid.cpu(), torch.zeros(0)
+        if samples[0].logprobs is not None:
+            gap = (torch.tensor([x for s in samples for x in s.logprobs]) - old_logp.cpu()[valid]).abs()
+        self.add(valid=valid.sum(), entropy=old_ent.cpu()[valid].sum(), gap_n=gap.numel(), gap=gap.sum())
+        self.gap_max = float(gap.max()) if gap.numel() else 0.0
 
     def minibatch(self, s2t, grad_norm):
         self.grad_norm.append(grad_norm)
@@ -457,30 +484,29 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
     # 3. Advantages: normalised within each group of G
     adv = group_advantages(rewards, G).to(device)
 
-    # 4. The old policy: log p of every sampled token (and p, H for the first mini-batch's S2T)
-    everyone = list(range(len(rows)))
-    old_logp, old_ent = no_grad_pass(policy, rows, everyone, valid, args, device)
-    gap = torch.zeros(0)  # |sampler log p - trainer log p|: it jumps when a sync breaks
-    if samples[0].logprobs is not None:
-        gap = (torch.tensor([x for s in samples for x in s.logprobs]) - old_logp[valid].cpu()).abs()
-    metrics.rollout(samples, rows, rewards, valid.cpu(), old_ent.cpu(), gap, G)
+    metrics.rollout(samples, rows, rewards, G)
+
+    # 4. The old policy: log p of every sampled token before any update. Mini-batch 0 needs no pass of its
+    #    own: the policy has not moved yet, so its current pass in step 5 is the old one
+    everyone, per = list(range(len(rows))), len(rows) // args.minibatches
+    old_logp, old_ent = no_grad_pass(policy, rows, everyone[per:], valid, args, device)
 
     # 5. Mini-batch updates: S2T statistics (p and H of the current policy), the mask, the loss, a step
     lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup_steps))
     for group in opt.param_groups:
         group["lr"] = lr
-    per, silenced_log = len(rows) // args.minibatches, []
+    silenced_log = []
     for b in range(args.minibatches):
         idx = everyone[b * per:(b + 1) * per]
-        if b == 0:  # the policy has not moved yet: the old pass's p and H are the current ones
-            logp, ent = old_logp[idx], old_ent[idx]
-        else:
-            logp, ent = no_grad_pass(policy, rows, idx, valid, args, device)
-        keep, denom, s2t = token_weights(args.method, logp, ent, adv[idx], valid[idx], args)
-        grad_norm = update(policy, opt, rows, idx, keep, denom, old_logp, adv, valid, args, device, metrics)
+        logp, ent = current_pass(policy, rows, idx, valid, args, device)
+        if b == 0:
+            old_logp[idx], old_ent[idx] = logp.detach(), ent
+        keep, denom, s2t = token_weights(args.method, logp.detach(), ent, adv[idx], valid[idx], args)
+        grad_norm = update(policy, opt, rows, idx, keep, denom, logp, old_logp, adv, valid, args, device, metrics)
         metrics.minibatch(s2t, grad_norm)
         if args.log_silenced and s2t is not None:
-            silenced_log += silenced_records(step, tok, rows, idx, s2t["silenced"], logp, ent)
+            silenced_log += silenced_records(step, tok, rows, idx, s2t["silenced"], logp.detach(), ent)
+    metrics.old_policy(samples, old_logp, old_ent, valid)
 
     # 6. Sync the engine to the new policy, and prove it
     probe_gap = sync_engine(engine, policy, probe, device)
@@ -543,6 +569,28 @@ def load_checkpoint(policy, opt, args):
     return done[-1]
 
 
+class Reporter:
+    """--report-to: each step's metrics dict also goes to W&B or TensorBoard, imported only when asked for."""
+
+    def __init__(self, kind, out, config):
+        self.kind = kind
+        if kind == "wandb":
+            import wandb
+            self.run = wandb.init(dir=out, config=config)
+        if kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
+
+    def log(self, metrics):
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self.kind == "wandb":
+            self.run.log(numbers, step=metrics["step"])
+        if self.kind == "tensorboard":
+            for key, value in numbers.items():
+                self.writer.add_scalar(key, value, metrics["step"])
+            self.writer.flush()
+
+
 # ---- main -----------------------------------------------------------------------------------------------
 
 def train(args):
@@ -565,12 +613,14 @@ def train(args):
                          args.gpu_memory_utilization)
     sync_engine(engine, policy, probe, device)  # vLLM starts from dummy weights; after --resume, the loaded ones
     logs = [os.path.join(args.out, name) for name in ("metrics.jsonl", "silenced.jsonl")]
+    config = {**vars(args), "world_size": world, "device": str(device), "problems": len(data)}
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "config.json"), "w") as f:
-            json.dump({**vars(args), "world_size": world, "device": str(device), "problems": len(data)}, f, indent=1)
+            json.dump(config, f, indent=1)
         for path in logs:
             drop_steps_after(path, start)
+        reporter = Reporter(args.report_to, args.out, config)
     for step in tqdm(range(start, args.steps), disable=rank != 0, desc="stapo", initial=start, total=args.steps):
         prompts = step_prompts(data, step, args, rank, world)
         metrics, silenced = train_step(step, policy, opt, engine, tok, prompts, args, device, probe)
@@ -580,6 +630,7 @@ def train(args):
         silenced = sum(gather(silenced), [])
         if rank == 0:
             append_jsonl(logs[0], [metrics])
+            reporter.log(metrics)
             if silenced:
                 append_jsonl(logs[1], silenced)
             shown = ("step", "reward_mean", "accuracy", "silenced_frac", "response_len_mean", "entropy_mean",

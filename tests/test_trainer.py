@@ -4,6 +4,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -153,6 +154,39 @@ def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path):
         assert sum(x["step"] == step for x in sil) == round(m[step - 1]["silenced_frac"] * n_valid)
     assert all(x["p"] < 0.9 for x in sil)
     assert all(len(x["left"]) <= 40 and len(x["right"]) <= 40 for x in sil)
+
+
+def test_report_to_sends_every_steps_numbers_and_is_imported_only_when_asked(tiny, tmp_path, monkeypatch):
+    """--report-to wandb / tensorboard gets each step's numeric metrics at that step (what metrics.jsonl
+    holds); without the flag neither package is imported, so a run never needs them."""
+    d, _ = tiny
+    sent = []
+    run = types.SimpleNamespace(log=lambda numbers, step: sent.append((step, numbers)))
+    wandb = types.SimpleNamespace(init=lambda dir, config: run)
+
+    class SummaryWriter:
+        def __init__(self, path):
+            self.path = path
+
+        def add_scalar(self, key, value, step):
+            if not sent or sent[-1][0] != step:
+                sent.append((step, {}))
+            sent[-1][1][key] = value
+
+        def flush(self):
+            pass
+    tensorboard = types.SimpleNamespace(SummaryWriter=SummaryWriter)
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", tensorboard)
+    for kind in ("wandb", "tensorboard"):
+        sent.clear()
+        stapo.train(stapo.get_args(args_for(d, tmp_path / kind, "--steps", "2", "--report-to", kind)))
+        numbers = [(m["step"], {k: v for k, v in m.items() if isinstance(v, (int, float))})
+                   for m in metrics_of(tmp_path / kind)]
+        assert sent == numbers and len(sent) == 2 and "accuracy" in sent[0][1]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # importing it now raises ImportError
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    stapo.Reporter("none", str(tmp_path), {}).log({"step": 1, "accuracy": 0.5})
 
 
 # ---- the HF engine's sampler ----------------------------------------------------------------------------
