@@ -55,8 +55,10 @@ def load_benchmark(name, data_dir=None, source=None):
     else:
         import datasets
         hub, split = BENCHMARKS[name][:2]
-        ds = datasets.load_dataset("parquet", data_files=path, split="train") if path else datasets.load_dataset(
-            hub, split=split)
+        if path:
+            ds = datasets.load_dataset("parquet", data_files=path, split="train")
+        else:
+            ds = datasets.load_dataset(hub, split=split)
         rows = [(f"{path or hub}: row {i}", r) for i, r in enumerate(ds)]
     return [benchmark_row(name, r, i, where) for i, (where, r) in enumerate(rows)]
 
@@ -69,6 +71,12 @@ def per_problem(records, key):
     return out
 
 
+def avg_at_k(records, key):
+    """The mean over problems of the percentage of their samples whose `key` is true."""
+    per = per_problem(records, key).values()
+    return 100 * sum(sum(c) / len(c) for c in per) / len(per)
+
+
 def summarize(records):
     """One row per benchmark from per-sample records, plus the mean of avg@k over the benchmarks. With a
     judge, `avg@k judged` counts a sample right when the rules or the judge say so."""
@@ -76,16 +84,14 @@ def summarize(records):
     for name in dict.fromkeys(r["benchmark"] for r in records):
         rs = [r for r in records if r["benchmark"] == name]
         right = per_problem(rs, "correct").values()
-        rows[name] = {"n": len(right), "k": max(map(len, right)),
-                      "avg@k": 100 * sum(sum(c) / len(c) for c in right) / len(right),
+        rows[name] = {"n": len(right), "k": max(map(len, right)), "avg@k": avg_at_k(rs, "correct"),
                       "pass@k": 100 * sum(any(c) for c in right) / len(right),
                       "mean_len": sum(r["length"] for r in rs) / len(rs),
                       "truncated": sum(r["finish_reason"] == "length" for r in rs) / len(rs)}
         if "judged" in rs[0]:
-            judged = per_problem(rs, "judged").values()
-            rows[name]["avg@k judged"] = 100 * sum(sum(c) / len(c) for c in judged) / len(judged)
-    averaged = [key for key in ("avg@k", "avg@k judged") if rows and key in next(iter(rows.values()))]
+            rows[name]["avg@k judged"] = avg_at_k(rs, "judged")
     if rows:
+        averaged = [key for key in next(iter(rows.values())) if key.startswith("avg@k")]
         rows["average"] = {key: sum(r[key] for r in rows.values()) / len(rows) for key in averaged}
     return rows
 
@@ -97,8 +103,11 @@ def table(rows):
              " | pass@k (%) | mean length | truncated |", "|---" * (len(cols) + 6) + "|"]
     for n, r in rows.items():
         avgs = " | ".join(f"{r[c]:.2f}" for c in cols)
-        lines.append(f"| **average** | | | {avgs} | | | |" if n == "average" else f"| {n} | {r['n']} | {r['k']} | "
-                     f"{avgs} | {r['pass@k']:.2f} | {r['mean_len']:.0f} | {r['truncated']:.3f} |")
+        if n == "average":
+            lines.append(f"| **average** | | | {avgs} | | | |")
+        else:
+            lines.append(f"| {n} | {r['n']} | {r['k']} | {avgs} | {r['pass@k']:.2f} | {r['mean_len']:.0f} | "
+                         f"{r['truncated']:.3f} |")
     return "\n".join(lines)
 
 

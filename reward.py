@@ -169,10 +169,11 @@ def _strip_units(s):
     """`4.5 \\times 10^{33} \\text{ erg s}^{-1}` -> `4.5 \\times 10^{33}`; `300 K` -> `300`; `2 mn` stays."""
     head, bare = s, False
     while True:
-        m = _WRAPPED_UNIT.search(head) or _BARE_UNIT.search(head)
+        wrapped = _WRAPPED_UNIT.search(head)
+        m = wrapped or _BARE_UNIT.search(head)
         if not m or not re.search(r"\d", head[:m.start()]):
             break
-        bare = bare or _WRAPPED_UNIT.search(head) is None
+        bare = bare or wrapped is None
         head = head[:m.start()].rstrip()
     plain = re.sub(r"\\(?:times|cdot|frac|sqrt|pi)\b|(?<=\d)[eE](?=[-+]?\d)", "", head)
     return s if bare and re.search(r"[a-zA-Z\\]", plain) else head  # a bare unit follows a plain number
