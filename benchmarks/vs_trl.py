@@ -1,0 +1,153 @@
+"""stapo vs TRL's GRPOTrainer on this CPU: seconds per step and peak resident memory, side by side.
+
+    python benchmarks/vs_trl.py --trl-python /path/to/trl-venv/bin/python --config a --pairs 3
+    python benchmarks/vs_trl.py --trl-python /path/to/trl-venv/bin/python --config b --pairs 3 --steps 2
+
+TRL is never a project dependency: it lives in its own venv (`pip install torch==2.13.0
+"transformers>=5.16.1,<5.20" trl==1.16.0 antlr4-python3-runtime==4.11.1`), whose python runs the TRL side.
+Both sides get the same tiny Qwen3 folder (built here, offline), the same prompts, the same reward
+(reward.score_all), fp32, 2 threads, G=8, one optimizer step per generation batch, and completions of
+exactly T tokens sampled from the full vocabulary (the end-of-text id lies outside the model's).
+
+    (a) vocab 512, hidden 64, 4 prompts x 8, T=128        (b) vocab 151,936, hidden 256, 2 prompts x 8, T=512
+
+Each run is its own child process, TRL and stapo interleaved (a pair = one of each), so a noisy spell
+of the machine hits both sides of a pair. A run's time is the median of its steps after the first
+(warm-up); peak memory is the child's ru_maxrss. The ratio is taken within each pair, then the median.
+"""
+import argparse, json, os, resource, statistics, subprocess, sys, time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+CONFIGS = {"a": dict(vocab=512, hidden=64, prompts=4, tokens=128),
+           "b": dict(vocab=151936, hidden=256, prompts=2, tokens=512)}
+G = 8
+
+
+def build(folder, vocab, hidden, prompts, tokens):
+    """A word-level tokenizer over the model's vocabulary (every sampled id decodes) plus an end-of-text
+    token just past it, which the model can never sample: every completion runs to exactly `tokens`. A
+    2-layer Qwen3, and `prompts` problems of 16 words each, written to folder."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    words = ["<pad>"] + [f"w{i}" for i in range(vocab - 1)] + ["<eos>"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+    fast.save_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                      max_position_embeddings=tokens + 64, tie_word_embeddings=False, eos_token_id=vocab,
+                      pad_token_id=0, bos_token_id=None)
+    Qwen3ForCausalLM(cfg).save_pretrained(folder)
+    with open(os.path.join(folder, "data.jsonl"), "w") as f:
+        for k in range(prompts):
+            problem = " ".join(f"w{(k * 16 + i) % (vocab - 1)}" for i in range(16))
+            f.write(json.dumps({"problem": problem, "answer": str(k)}) + "\n")
+
+
+def run_stapo(folder, c, steps):
+    """stapo.train itself, as a user runs it; the step time is the trainer's own step_s."""
+    import stapo
+    out = os.path.join(folder, "stapo_run")
+    args = stapo.get_args(["--model", folder, "--dataset", os.path.join(folder, "data.jsonl"), "--out", out,
+                           "--steps", str(steps), "--prompts-per-step", str(c["prompts"]), "--group-size", str(G),
+                           "--minibatches", "1", "--micro-tokens", "1000000", "--max-prompt-len", "64",
+                           "--max-response-len", str(c["tokens"]), "--engine", "hf", "--save-every", "0",
+                           "--no-chat-template"])
+    stapo.train(args)
+    stapo.dist.destroy_process_group()
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line)["step_s"] for line in f]
+
+
+def run_trl(folder, c, steps):
+    """GRPOTrainer with the same batch: G completions of each prompt, one optimizer step per batch."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from reward import score_all
+    with open(os.path.join(folder, "data.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    data = Dataset.from_list([{"prompt": r["problem"], "answer": r["answer"]} for r in rows] * steps * 2)
+
+    def reward(completions, answer, **_):
+        return score_all(completions, answer)
+
+    class Clock(TrainerCallback):
+        times = []
+
+        def on_step_begin(self, *_, **__):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            self.times.append(time.perf_counter() - self.t0)
+
+    config = GRPOConfig(output_dir=os.path.join(folder, "trl_run"), per_device_train_batch_size=c["prompts"] * G,
+                        num_generations=G, max_completion_length=c["tokens"], temperature=1.0, top_k=0,
+                        epsilon_high=0.28, beta=0.0,
+                        loss_type="dapo", max_steps=steps, learning_rate=1e-6, save_strategy="no",
+                        report_to="none", use_cpu=True, logging_steps=1, disable_tqdm=True, shuffle_dataset=False)
+    trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=config, train_dataset=data, callbacks=[Clock()])
+    trainer.train()
+    return Clock.times
+
+
+def child(a):
+    import torch
+    torch.set_num_threads(2)
+    c = CONFIGS[a.config]
+    times = run_trl(a.folder, c, a.steps) if a.side == "trl" else run_stapo(a.folder, c, a.steps)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"step_s": statistics.median(times[1:] or times), "peak_mb": peak_mb, "steps": times}))
+
+
+def spawn(python, side, a):
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [python, os.path.abspath(__file__), "--config", a.config, "--folder", a.folder, "--steps", str(a.steps),
+           "--side", side]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=a.folder)
+    if done.returncode:
+        sys.exit(f"the {side} run failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trl-python", help="the python of a venv with TRL 1.16 (required)")
+    p.add_argument("--config", choices=sorted(CONFIGS), default="a")
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6, help="steps per run; the first is a warm-up")
+    p.add_argument("--folder", default="/tmp/stapo_vs_trl", help="where the model and the runs go")
+    p.add_argument("--side", choices=["trl", "stapo"], help=argparse.SUPPRESS)
+    a = p.parse_args()
+    a.folder = os.path.abspath(a.folder) + ("" if a.side else "_" + a.config)
+    if a.side:
+        return child(a)
+    if not a.trl_python:
+        p.error("--trl-python is required: the python of a venv with TRL 1.16 (see this file's docstring)")
+    os.makedirs(a.folder, exist_ok=True)
+    build(a.folder, **CONFIGS[a.config])
+    rows = []
+    for k in range(a.pairs):
+        trl, ours = spawn(a.trl_python, "trl", a), spawn(sys.executable, "stapo", a)
+        rows.append((trl, ours))
+        print(f"pair {k + 1}: TRL {trl['step_s']:.3f} s {trl['peak_mb']:.0f} MB, stapo {ours['step_s']:.3f} s "
+              f"{ours['peak_mb']:.0f} MB, ratio {trl['step_s'] / ours['step_s']:.2f}", flush=True)
+    c = CONFIGS[a.config]
+    med = {side: statistics.median(r[i]["step_s"] for r in rows) for i, side in enumerate(("trl", "stapo"))}
+    rss = {side: max(r[i]["peak_mb"] for r in rows) for i, side in enumerate(("trl", "stapo"))}
+    ratios = [t["step_s"] / s["step_s"] for t, s in rows]
+    print(f"({a.config}) V={c['vocab']}, H={c['hidden']}, {c['prompts']} prompts x {G}, T={c['tokens']}, "
+          f"{a.pairs} pairs of {a.steps} steps")
+    print("| TRL step | stapo step | TRL / stapo (pair ratios) | TRL peak RSS | stapo peak RSS |")
+    print("|---|---|---|---|---|")
+    print(f"| {med['trl']:.3f} s | {med['stapo']:.3f} s | {statistics.median(ratios):.2f}x faster "
+          f"({', '.join(f'{r:.2f}' for r in ratios)}) | {rss['trl']:.0f} MB | {rss['stapo']:.0f} MB "
+          f"({rss['stapo'] / rss['trl']:.2f}x) |")
+
+
+if __name__ == "__main__":
+    main()
