@@ -7,8 +7,9 @@ The trainer and eval.py speak to an engine through four calls:
     engine.logprobs_of(tokens)           # log p of tokens[1:] given their prefix: the sync's self-check
     engine.sleep()                       # rollout over: give the accelerator memory back to the trainer
 
-HFEngine is `transformers.generate` (CPU, tests, small runs); VLLMEngine is colocated vLLM 0.32 (GPU, and
-vLLM's CPU build). Both follow vLLM's seeding rule, so a rollout depends on neither the batch nor the rank.
+HFEngine decodes with a transformers model (CPU, tests, small runs); VLLMEngine is colocated vLLM 0.32
+(GPU, and vLLM's CPU build). Both follow vLLM's seeding rule, so a rollout depends on neither the batch nor
+the rank.
 """
 import hashlib, importlib.util, json, os
 from dataclasses import dataclass
@@ -188,20 +189,21 @@ class Sample:
 def sample_token(logits, u, temperature, top_p=1.0):
     """One token per row of logits [rows, V], drawn from softmax(logits / temperature), top-p truncated,
     by inverse CDF: the first token whose cumulative probability exceeds u * total. u: [rows] uniforms in
-    [0, 1). In float64, so even a token of probability 1e-12 is drawn at its own rate. Temperature 0: argmax."""
+    [0, 1). The probabilities are summed in float64, so even a token of probability 1e-12 is drawn at its own
+    rate. Temperature 0: argmax."""
     if temperature == 0:
         return logits.argmax(-1)
-    p = (logits.double() / temperature).softmax(-1)
+    p = (logits.float() / temperature).softmax(-1)
     if top_p < 1:  # keep the smallest set of tokens whose probability reaches top_p
         top, order = p.sort(-1, descending=True)
         drop = top.cumsum(-1) - top >= top_p
         p = p.masked_fill(drop.scatter(-1, order, drop), 0.0)
-    cdf = p.cumsum(-1)
+    cdf = p.cumsum(-1, dtype=torch.float64)
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
 
 
 class HFEngine:
-    """Sampling with HF `generate` on a private copy of the model."""
+    """Sampling on a private copy of the model, decoded by a short KV-cache loop of our own."""
 
     def __init__(self, model_path, device, dtype, eos_token_id):
         from transformers import AutoModelForCausalLM
