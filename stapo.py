@@ -336,24 +336,16 @@ def token_weights(method, logp, ent, adv, valid, args):
     return keep, all_reduce_numbers(keep.sum())[0], s2t
 
 
-def micro_logps(policy, rows, idx, valid, args, device, logp):
-    """(micro-batch, its log p with grad) for mini-batch idx: the current pass's own when it kept its graph."""
-    if logp.requires_grad:
-        yield idx, logp
-        return
-    for mb in micro_batches(rows, idx, args.micro_tokens):
-        sel = mb or idx[:1]  # an empty micro-batch runs one sample at zero weight
-        yield mb, forward(policy, rows, sel, valid, args.temperature, device)[0]
-
-
 def update(policy, opt, rows, idx, keep, denom, logp, old_logp, adv, valid, args, device, metrics):
     """One optimizer step on mini-batch idx. FSDP2 reduce-scatters the gradients after every
     micro-batch, so no rank ever holds an unsharded gradient of the whole model."""
     eps_high, clip_c = (args.eps_low, None) if args.method == "grpo" else (args.eps_high, args.clip_c)
     keep_all = torch.zeros(valid.shape, dtype=keep.dtype, device=device)
     keep_all[idx] = keep
-    for mb, mb_logp in micro_logps(policy, rows, idx, valid, args, device, logp):
-        sel = mb or idx[:1]
+    kept_graph = logp.requires_grad  # the current pass was this mini-batch's one micro-batch, graph kept
+    for mb in [idx] if kept_graph else micro_batches(rows, idx, args.micro_tokens):
+        sel = mb or idx[:1]  # an empty micro-batch runs one sample at zero weight
+        mb_logp = logp if kept_graph else forward(policy, rows, sel, valid, args.temperature, device)[0]
         loss, st = stapo_loss(mb_logp, old_logp[sel], adv[sel], keep_all[sel] * bool(mb), denom, args.eps_low,
                               eps_high, clip_c)
         (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is already global
