@@ -2,6 +2,7 @@
 
     python examples/toy.py [--out runs/toy] [--method stapo|justrl|grpo|entropy20] [--steps 600]
     python examples/toy.py --method all --out runs/toy4    # the four objectives from one warm start
+    python examples/toy.py --method all --hard --out runs/toy4h   # longer answers: room for spurious tokens
 
 1. Builds a BPE tokenizer (with a chat template) and a 2-layer Qwen3 from scratch: no downloads.
 2. Warm-starts it with a short supervised phase, stopped early: it learns the `\\boxed{n}` format and a
@@ -11,6 +12,10 @@
 The trained model lands in <out>/rl/model, loadable by transformers and eval.py. With --method all, each
 objective trains from the same warm start with the same seeds into <out>/<method>; a table compares them
 and <out>/curves.png draws their curves (curves.py).
+
+--hard makes the answers longer: the first addend runs to 19 (40 of the 200 problems held out), and the
+answer restates the sum before boxing it, "12 + 5 = 17, so the answer is \\boxed{17}". Only the box is
+graded, so a sampled slip in the restatement can sit inside a correct answer: a spurious token.
 """
 import argparse, json, os, random, sys, time
 
@@ -28,14 +33,24 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def problems():
-    pairs = [(a, b) for a in range(10) for b in range(10)]
+def problems(hard=False):
+    """(train, held out) rows: a + b for a < 10 (20 held out), or with --hard a < 20 (40 held out)."""
+    pairs = [(a, b) for a in range(20 if hard else 10) for b in range(10)]
     random.Random(0).shuffle(pairs)
-    as_rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs]
-    return as_rows[:80], as_rows[80:]
+    as_rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b), "a": a, "b": b} for a, b in pairs]
+    held_out = 40 if hard else 20
+    return as_rows[:-held_out], as_rows[-held_out:]
 
 
-def build_tokenizer(path):
+def target(row, hard):
+    """The warm start's answer text: the box alone, or with --hard the sum restated first."""
+    boxed = f"\\boxed{{{row['answer']}}}"
+    if hard:
+        return f"{row['a']} + {row['b']} = {row['answer']}, so the answer is {boxed}"
+    return boxed
+
+
+def build_tokenizer(path, hard=False):
     """A byte-level BPE with one token per digit, trained in-process, saved and reloaded."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -44,6 +59,8 @@ def build_tokenizer(path):
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     corpus = [r["problem"] + SUFFIX for r in problems()[0]] + [f"\\boxed{{{n}}}" for n in range(19)]
+    if hard:
+        corpus += [target(r, hard) for r in problems(hard)[0]]
     tok.train_from_iterator(corpus * 4, trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
@@ -65,7 +82,7 @@ def build_model(path, tok, hidden=64, layers=2):
     return model
 
 
-def warm_start(model, tok, rows, steps=200, lr=3e-3):
+def warm_start(model, tok, rows, steps=200, lr=3e-3, hard=False):
     """A short supervised phase, stopped early: the model learns the format and a first, partial sense
     of the sums (about a third of the held-out problems right); RL has to do the rest."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -74,7 +91,7 @@ def warm_start(model, tok, rows, steps=200, lr=3e-3):
         ids, labels = [], []
         for r in rng.sample(rows, 16):
             prompt = stapo.encode_prompt(tok, r["problem"])
-            answer = tok(f"\\boxed{{{r['answer']}}}<|im_end|>", add_special_tokens=False)["input_ids"]
+            answer = tok(target(r, hard) + "<|im_end|>", add_special_tokens=False)["input_ids"]
             ids.append(prompt + answer)
             labels.append([-100] * len(prompt) + answer)
         n = max(map(len, ids))
@@ -87,9 +104,10 @@ def warm_start(model, tok, rows, steps=200, lr=3e-3):
     return model
 
 
-def greedy_accuracy(model_path, tok, rows):
+def greedy_accuracy(model_path, tok, rows, max_tokens):
     engine = HFEngine(model_path, torch.device("cpu"), torch.float32, tok.eos_token_id)
-    outs = engine.generate([stapo.encode_prompt(tok, r["problem"]) for r in rows], 1, 0.0, 1.0, 8, [0] * len(rows))
+    prompts = [stapo.encode_prompt(tok, r["problem"]) for r in rows]
+    outs = engine.generate(prompts, 1, 0.0, 1.0, max_tokens, [0] * len(rows))
     from reward import score
     return sum(score(tok.decode(o[0].tokens), r["answer"]) > 0 for o, r in zip(outs, rows)) / len(rows)
 
@@ -101,8 +119,8 @@ def train_one(a, method, base, out):
         "--model", base, "--dataset", os.path.join(a.out, "train.jsonl"), "--out", out, "--method", method,
         "--steps", str(a.steps), "--prompts-per-step", str(a.prompts), "--group-size", "8",
         "--minibatches", str(a.minibatches), "--micro-tokens", "4096", "--max-prompt-len", "64",
-        "--max-response-len", "8", "--lr", str(a.lr), "--warmup-steps", "0", "--weight-decay", "0",
-        "--save-every", "0", "--tau-p", "0.05"]))
+        "--max-response-len", str(a.max_tokens), "--lr", str(a.lr), "--warmup-steps", "0", "--weight-decay", "0",
+        "--save-every", "0", "--tau-p", "0.05", "--log-silenced"]))
     seconds = time.time() - t0
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return seconds, [json.loads(line) for line in f]
@@ -117,29 +135,31 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=32, help="prompts per step")
     p.add_argument("--minibatches", type=int, default=2)
     p.add_argument("--sft-steps", type=int, default=200)
+    p.add_argument("--hard", action="store_true", help="longer answers: the sum restated before the box")
     a = p.parse_args(argv)
-    train, held_out = problems()
+    a.max_tokens = 24 if a.hard else 8
+    train, held_out = problems(a.hard)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "train.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in train)
     base = os.path.join(a.out, "base")
-    tok = build_tokenizer(base)
-    model = warm_start(build_model(base, tok), tok, train, steps=a.sft_steps)
+    tok = build_tokenizer(base, a.hard)
+    model = warm_start(build_model(base, tok), tok, train, steps=a.sft_steps, hard=a.hard)
     model.save_pretrained(base)
-    before = greedy_accuracy(base, tok, held_out)
+    before = greedy_accuracy(base, tok, held_out, a.max_tokens)
     if a.method != "all":
         train_one(a, a.method, base, os.path.join(a.out, "rl"))
-        after = greedy_accuracy(os.path.join(a.out, "rl", "model"), tok, held_out)
+        after = greedy_accuracy(os.path.join(a.out, "rl", "model"), tok, held_out, a.max_tokens)
         print(f"toy: accuracy {before:.2f} -> {after:.2f}")
         return before, after
     table = ["| objective | held-out accuracy | final entropy (last 10 steps) | mean silenced fraction | wall time |",
              "|---|---|---|---|---|"]
     for method in METHODS:
         seconds, m = train_one(a, method, base, os.path.join(a.out, method))
-        after = greedy_accuracy(os.path.join(a.out, method, "model"), tok, held_out)
+        after = greedy_accuracy(os.path.join(a.out, method, "model"), tok, held_out, a.max_tokens)
         entropy = sum(x["entropy_mean"] for x in m[-10:]) / len(m[-10:])
         silenced = sum(x["silenced_frac"] for x in m) / len(m)
-        table.append(f"| {method} | {before:.2f} -> {after:.2f} | {entropy:.3f} | {silenced:.4f} | {seconds:.0f} s |")
+        table.append(f"| {method} | {before:.2f} -> {after:.2f} | {entropy:.3f} | {silenced:.1e} | {seconds:.0f} s |")
     print("\n".join(table))
     curves.draw_curves({m: os.path.join(a.out, m) for m in METHODS}, os.path.join(a.out, "curves.png"), window=10)
     return table

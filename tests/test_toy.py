@@ -27,3 +27,25 @@ def test_all_four_objectives_from_one_warm_start(tmp_path, capsys):
     for method in toy.METHODS:
         assert len(open(tmp_path / method / "metrics.jsonl").readlines()) == 2
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_hard_toy_problems_and_answers(tmp_path):
+    """--hard: 200 problems with the first addend up to 19, 40 held out and never trained on; the answer
+    restates the sum before the box, and only the box is graded, so a slip in the restatement still
+    scores +1 (the room a spurious token needs). The default toy keeps its 80/20 split of a, b < 10."""
+    from reward import score
+    train, held_out = toy.problems(hard=True)
+    assert (len(train), len(held_out)) == (160, 40)
+    assert not {r["problem"] for r in train} & {r["problem"] for r in held_out}
+    assert max(r["a"] for r in train + held_out) == 19 and max(r["b"] for r in train + held_out) == 9
+    row = next(r for r in train if (r["a"], r["b"]) == (12, 5))
+    assert toy.target(row, hard=True) == "12 + 5 = 17, so the answer is \\boxed{17}"
+    assert toy.target(row, hard=False) == "\\boxed{17}"
+    assert score("12 + 6 = 17, so the answer is \\boxed{17}", row["answer"]) == 1
+    assert score("12 + 5 = 17, so the answer is \\boxed{18}", row["answer"]) == -1
+    easy_train, easy_held_out = toy.problems()
+    assert (len(easy_train), len(easy_held_out)) == (80, 20)
+    assert max(r["a"] for r in easy_train + easy_held_out) == 9
+    tok = toy.build_tokenizer(str(tmp_path / "tok"), hard=True)
+    assert tok.decode(tok(toy.target(row, hard=True))["input_ids"]) == toy.target(row, hard=True)
+    assert "1" in tok.tokenize("17") and "7" in tok.tokenize("17")  # one token per digit
