@@ -1,6 +1,6 @@
 """The CPU toy: a tiny Qwen3 learns single-digit addition with STAPO, offline, in a few minutes on 2 cores.
 
-    python examples/toy.py [--out runs/toy] [--method stapo|justrl|grpo|entropy20] [--steps 600]
+    python examples/toy.py [--out runs/toy] [--method stapo|justrl|grpo|entropy20] [--steps 600] [--seed 0]
     python examples/toy.py --method all --out runs/toy4    # the four objectives from one warm start
     python examples/toy.py --method all --hard --out runs/toy4h   # longer answers: room for spurious tokens
 
@@ -120,7 +120,7 @@ def train_one(a, method, base, out):
         "--steps", str(a.steps), "--prompts-per-step", str(a.prompts), "--group-size", "8",
         "--minibatches", str(a.minibatches), "--micro-tokens", "4096", "--max-prompt-len", "64",
         "--max-response-len", str(a.max_tokens), "--lr", str(a.lr), "--warmup-steps", "0", "--weight-decay", "0",
-        "--save-every", "0", "--tau-p", "0.05", "--log-silenced"]))
+        "--save-every", "0", "--tau-p", "0.05", "--log-silenced", "--seed", str(a.seed)]))
     seconds = time.time() - t0
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return seconds, [json.loads(line) for line in f]
@@ -136,6 +136,7 @@ def main(argv=None):
     p.add_argument("--minibatches", type=int, default=2)
     p.add_argument("--sft-steps", type=int, default=200)
     p.add_argument("--hard", action="store_true", help="longer answers: the sum restated before the box")
+    p.add_argument("--seed", type=int, default=0, help="the RL run's sampling seed (the warm start stays the same)")
     a = p.parse_args(argv)
     a.max_tokens = 24 if a.hard else 8
     train, held_out = problems(a.hard)

@@ -49,3 +49,23 @@ def test_hard_toy_problems_and_answers(tmp_path):
     tok = toy.build_tokenizer(str(tmp_path / "tok"), hard=True)
     assert tok.decode(tok(toy.target(row, hard=True))["input_ids"]) == toy.target(row, hard=True)
     assert "1" in tok.tokenize("17") and "7" in tok.tokenize("17")  # one token per digit
+
+
+def test_seed_reaches_the_trainer_and_nothing_else_changes(tmp_path, monkeypatch):
+    """--seed changes the RL run's seed only (a flag parsed but never passed would make every seed the same
+    run); every other trainer flag, and so the warm start, stays as it was."""
+    seen = []
+
+    def fake_train(args):
+        seen.append(vars(args))
+        os.makedirs(args.out, exist_ok=True)
+        open(os.path.join(args.out, "metrics.jsonl"), "w").write('{"step": 1}\n')
+
+    monkeypatch.setattr(toy.stapo, "train", fake_train)
+    for seed in ("0", "3"):
+        a = toy.argparse.Namespace(out=str(tmp_path), steps=1, prompts=8, minibatches=1, lr=1e-3, max_tokens=8,
+                                   seed=int(seed))
+        toy.train_one(a, "stapo", "base", str(tmp_path / seed))
+    assert (seen[0]["seed"], seen[1]["seed"]) == (0, 3)
+    assert {k: v for k, v in seen[0].items() if k not in ("seed", "out")} == \
+        {k: v for k, v in seen[1].items() if k not in ("seed", "out")}
