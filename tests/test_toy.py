@@ -53,7 +53,7 @@ def test_hard_toy_problems_and_answers(tmp_path):
 
 def test_seed_reaches_the_trainer_and_nothing_else_changes(tmp_path, monkeypatch):
     """--seed changes the RL run's seed only (a flag parsed but never passed would make every seed the same
-    run); every other trainer flag, and so the warm start, stays as it was."""
+    run); every other trainer flag stays as it was. (The warm start never reads the seed.)"""
     seen = []
 
     def fake_train(args):
@@ -62,10 +62,10 @@ def test_seed_reaches_the_trainer_and_nothing_else_changes(tmp_path, monkeypatch
         open(os.path.join(args.out, "metrics.jsonl"), "w").write('{"step": 1}\n')
 
     monkeypatch.setattr(toy.stapo, "train", fake_train)
-    for seed in ("0", "3"):
+    for seed in (0, 3):
         a = toy.argparse.Namespace(out=str(tmp_path), steps=1, prompts=8, minibatches=1, lr=1e-3, max_tokens=8,
-                                   seed=int(seed))
-        toy.train_one(a, "stapo", "base", str(tmp_path / seed))
+                                   seed=seed)
+        toy.train_one(a, "stapo", "base", str(tmp_path / str(seed)))
     assert (seen[0]["seed"], seen[1]["seed"]) == (0, 3)
     assert {k: v for k, v in seen[0].items() if k not in ("seed", "out")} == \
         {k: v for k, v in seen[1].items() if k not in ("seed", "out")}
