@@ -1,16 +1,17 @@
 """STAPO: Spurious-Token-Aware Policy Optimization (arXiv 2602.15620), the reference trainer.
 
-Read top to bottom: first the algorithm as pure functions that need only torch (copy them freely), then
-the trainer that runs them with FSDP2 under torchrun: `torchrun --nproc_per_node 8 stapo.py`.
+Read top to bottom: first the algorithm as pure functions that need only torch (copy them
+freely), then the trainer that runs them with FSDP2: `torchrun --nproc_per_node 8 stapo.py`.
 
-The paper's recipe is JustRL's (GRPO group advantages, clip-higher, dual clip, token-mean loss, no KL,
-no entropy bonus) plus the S2T mask, which silences the rare "spurious" tokens: tokens of correct answers
-(A > 0) that the policy gave a low probability (p < tau_p) at a low-entropy position (H < tau_h).
+The paper's recipe is JustRL's (GRPO group advantages, clip-higher, dual clip, token-mean loss,
+no KL, no entropy bonus) plus the S2T mask, which silences the rare "spurious" tokens: tokens of
+correct answers (A > 0) that the policy gave a low probability (p < tau_p) at a low-entropy
+position (H < tau_h).
 """
 import torch
 
 
-# ==== The algorithm: pure functions, torch only ========================================================
+# ==== The algorithm: pure functions, torch only ===================================================
 
 def group_advantages(rewards, group_size, eps=1e-6):
     """GRPO advantages (paper: group-normalised advantage A_i = (r_i - mean(r)) / (std(r) + eps)).
@@ -19,7 +20,7 @@ def group_advantages(rewards, group_size, eps=1e-6):
     A group whose rewards are all equal gets exactly A = 0 (it carries no learning signal).
     """
     if group_size < 2:
-        raise ValueError(f"group_size must be >= 2 (the std of one sample is undefined), got {group_size}")
+        raise ValueError(f"group_size must be >= 2 (one sample has no std), got {group_size}")
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be [N] with N a multiple of group_size={group_size}, "
                          f"got {tuple(rewards.shape)}")
@@ -41,13 +42,15 @@ def quantile(x, q):
 
 
 def s2t_mask(logp, entropy, adv, valid, tau_p=0.002, q=0.75, tau_h=None):
-    """The S2T mask (paper: Silencing Spurious Tokens, M_{i,t}). Returns a bool [N, T], True = silenced.
+    """The S2T mask (paper: Silencing Spurious Tokens, M_{i,t}). A bool [N, T], True = silenced.
 
-    logp, entropy: [N, T] log-prob of each sampled token and the full-vocabulary entropy (nats) of the
-    policy at that position, both detached. adv: [N] or [N, T]. valid: [N, T] response mask.
-    Candidates C = valid & (A > 0) & (p < tau_p); tau_h = q-quantile of H over C (linear interpolation,
-    in H's precision); silenced = C & (H < tau_h). An empty C silences nothing. A given tau_h overrides
-    the quantile, so a trainer can pass one threshold computed over a whole mini-batch on all ranks.
+    logp, entropy: [N, T] log-prob of each sampled token and the full-vocabulary entropy (nats) of
+    the policy at that position, both detached. adv: [N] or [N, T]. valid: [N, T] response mask.
+        candidates C = valid & (A > 0) & (p < tau_p)
+        tau_h = q-quantile of H over C      (linear interpolation, in H's precision)
+        silenced = C & (H < tau_h)          (an empty C silences nothing)
+    A given tau_h overrides the quantile, so a trainer can pass one threshold computed over a whole
+    mini-batch on all ranks.
     """
     adv = adv if adv.dim() == logp.dim() else adv[:, None]
     candidates = valid.bool() & (adv > 0) & (logp.exp() < tau_p)
@@ -62,24 +65,24 @@ def stapo_loss(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high
                max_log_ratio=20.0):
     """The STAPO objective (paper: J_STAPO), as a loss to minimise. Returns (loss, stats).
 
-    Shapes: logp, old_logp, keep are [N, T] (padded batch) or [M] (packed tokens); adv is [N] or [N, T]
-    for a padded batch, [M] for packed tokens. logp carries the gradient; old_logp and adv are treated
-    as constants (detached here). Inputs of any float dtype are computed in float32.
-
-    Per token: ratio = exp(clamp(logp - old_logp, +-max_log_ratio)) (verl clamps at 20: no inf, no NaN);
-    l = max(-ratio*A, -clip(ratio, 1-eps_low, 1+eps_high)*A), and for A < 0 also l = min(l, -clip_c*A)
-    (dual clip, as verl; clip_c=None turns it off).
-    loss = sum(l * keep) / num_tokens, num_tokens defaulting to keep.sum(). keep = valid & ~silenced is a
-    bool (or 0/1) mask, so the loss is renormalised over the tokens neither padded nor silenced; keep may
-    also be a float weight (GRPO's 1/|o_i| per token, whose sum is the number of sequences).
-    With nothing silenced (keep = valid) this is exactly the DAPO/JustRL token-mean loss.
-    Silenced and padded tokens get exactly zero gradient; num_tokens = 0 (nothing kept) gives a zero loss.
+    Shapes: logp, old_logp, keep are [N, T] (padded batch) or [M] (packed tokens); adv is [N] or
+    [N, T] for a padded batch, [M] for packed tokens. logp carries the gradient; old_logp and adv
+    are treated as constants (detached here). Inputs of any float dtype are computed in float32.
+        ratio = exp(clamp(logp - old_logp, +-max_log_ratio))   (verl clamps at 20: no inf, no NaN)
+        l = max(-ratio * A, -clip(ratio, 1 - eps_low, 1 + eps_high) * A)
+        l = min(l, -clip_c * A) where A < 0                    (dual clip, as verl; None: off)
+        loss = sum(l * keep) / num_tokens                      (num_tokens defaults to keep.sum())
+    keep = valid & ~silenced is a bool (or 0/1) mask, so the loss is renormalised over the tokens
+    neither padded nor silenced; keep may also be a float weight (GRPO's 1/|o_i| per token, whose
+    sum is the number of sequences). With nothing silenced (keep = valid) this is exactly the
+    DAPO/JustRL token-mean loss. Silenced and padded tokens get exactly zero gradient;
+    num_tokens = 0 (nothing kept) gives a zero loss.
     """
     if logp.dim() not in (1, 2) or old_logp.shape != logp.shape or keep.shape != logp.shape:
-        raise ValueError(f"stapo_loss: logp, old_logp, keep must share one shape [N, T] or [M]; got "
-                         f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(keep.shape)}")
+        raise ValueError(f"stapo_loss: logp, old_logp, keep must share one shape [N, T] or [M]; "
+                         f"got {tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(keep.shape)}")
     if adv.shape != logp.shape and not (logp.dim() == 2 and adv.shape == logp.shape[:1]):
-        raise ValueError(f"stapo_loss: adv must be [N] or [N, T] for logp [N, T], or [M] for packed logp [M]; "
+        raise ValueError(f"stapo_loss: adv must be [N] or [N, T] (padded logp), [M] (packed logp); "
                          f"got adv {tuple(adv.shape)} for logp {tuple(logp.shape)}")
     adv = adv.detach().float()
     adv = (adv if adv.dim() == logp.dim() else adv[:, None]).expand_as(logp)
@@ -113,7 +116,7 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, tokens, temperature, chunk_size):
-        logp, entropy, logz = (hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
+        logp, entropy, logz = (hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(3))
         for i in range(0, hidden.shape[0], chunk_size):
             j = slice(i, i + chunk_size)
             z = (hidden[j].to(weight.dtype) @ weight.T).float().div_(temperature)
@@ -136,7 +139,8 @@ class _ChunkedHead(torch.autograd.Function):
             h = hidden[j].to(weight.dtype)
             z = (h @ weight.T).float().div_(ctx.temperature)
             g = z.sub_(logz[j, None]).exp_().mul_(-grad_logp[j, None])  # -g * softmax(z)
-            g = g.scatter_add_(-1, tokens[j, None], grad_logp[j, None]).div_(ctx.temperature).to(weight.dtype)
+            g.scatter_add_(-1, tokens[j, None], grad_logp[j, None])  # + g * onehot(y)
+            g = g.div_(ctx.temperature).to(weight.dtype)
             grad_h[j] = (g @ weight).to(hidden.dtype)
             if weight.dtype == torch.float32:
                 grad_w.addmm_(g.T, h)  # in place: no [V, D] temporary
@@ -146,7 +150,7 @@ class _ChunkedHead(torch.autograd.Function):
 
 
 def token_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, chunk_size=128):
-    """Log-prob (with grad) and entropy (no grad, nats) of each sampled token, from decoder hidden states.
+    """Log-prob (with grad) and entropy (no grad, nats) of each sampled token, from hidden states.
 
     hidden: [M, D] the final hidden state before each token; weight: [V, D] the lm_head weight;
     tokens: [M] the sampled ids. Logits are divided by the sampling temperature, as the sampler did.
@@ -156,45 +160,52 @@ def token_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, chunk_si
     return _ChunkedHead.apply(hidden, weight, tokens, float(temperature), chunk_size)
 
 
-# ==== The trainer: torchrun stapo.py --model ... (also one CPU process, or several under gloo) ==========
+# ==== The trainer: torchrun stapo.py --model ... (also one CPU process, or several under gloo) ====
 import argparse, json, os, shutil, time  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,  # noqa: E402
-                                                     get_state_dict, set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
-from rollout import (all_reduce_numbers, append_jsonl, drop_steps_after, encode_problems,  # noqa: E402
-                     encode_prompt, gather, gather_cat, init_distributed, load_problems, seed_of, step_prompts)
+from rollout import (  # noqa: E402
+    all_reduce_numbers, append_jsonl, drop_steps_after, encode_problems, encode_prompt, gather,
+    gather_cat, init_distributed, load_problems, seed_of, step_prompts)
 
-# Every setting is a flag (--prompts-per-step 256 ...). The defaults are the paper's: JustRL's recipe + S2T
-# on Qwen3-8B-Base (README: The paper's settings). One line per part of the recipe.
+# Every setting is a flag (--prompts-per-step 256 ...). The defaults are the paper's: JustRL's
+# recipe + S2T on Qwen3-8B-Base (README: The paper's settings). One line per part of the recipe.
 CONFIG = dict(
-    model="Qwen/Qwen3-8B-Base", dataset="BytedTsinghua-SIA/DAPO-Math-17k", out="runs/stapo", method="stapo",
-    steps=1000, prompts_per_step=256, group_size=8, minibatches=4, micro_tokens=16384,   # batch shape
-    max_prompt_len=1024, max_response_len=15360, temperature=1.0, top_p=1.0,              # rollout
-    lr=1e-6, warmup_steps=10, weight_decay=0.1, grad_clip=1.0,                             # AdamW
-    eps_low=0.2, eps_high=0.28, clip_c=10.0,                                               # clip-higher, dual clip
-    tau_p=0.002, q=0.75,                                                                   # S2T
-    engine="auto", gpu_memory_utilization=0.6, save_every=50, keep_ckpts=2, seed=0,        # infrastructure
-    eval_every=0, eval_benchmarks="aime24,math500", eval_samples=0, eval_max_tokens=20480,  # 0 samples: paper's k
-    eval_data_dir="", report_to="none")                                                    # also log to W&B/TB
-CHOICES = {"method": ["stapo", "justrl", "grpo", "entropy20"], "engine": ["auto", "vllm", "hf"],
+    model="Qwen/Qwen3-8B-Base", dataset="BytedTsinghua-SIA/DAPO-Math-17k",    # policy, data
+    out="runs/stapo", method="stapo",                                         # where, objective
+    steps=1000, prompts_per_step=256, group_size=8, minibatches=4,            # batch shape
+    micro_tokens=16384,                                                       # tokens per forward
+    max_prompt_len=1024, max_response_len=15360, temperature=1.0, top_p=1.0,  # rollout
+    lr=1e-6, warmup_steps=10, weight_decay=0.1, grad_clip=1.0,                # AdamW
+    eps_low=0.2, eps_high=0.28,                                               # clip-higher
+    clip_c=10.0,                                                              # dual clip
+    tau_p=0.002, q=0.75,                                                      # S2T
+    engine="auto", gpu_memory_utilization=0.6, seed=0,                        # infrastructure
+    save_every=50, keep_ckpts=2, report_to="none",                            # checkpoints; W&B/TB
+    eval_every=0, eval_benchmarks="aime24,math500", eval_max_tokens=20480,    # evaluation
+    eval_samples=0, eval_data_dir="")                                         # 0 samples: paper's k
+CHOICES = {"method": ["stapo", "justrl", "grpo", "entropy20"],
+           "engine": ["auto", "vllm", "hf"],
            "report_to": ["none", "wandb", "tensorboard"]}
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="STAPO trainer. The defaults are the paper's (README: Settings).")
+    p = argparse.ArgumentParser(description="STAPO trainer; the defaults are the paper's (README).")
     for key, default in CONFIG.items():
-        p.add_argument("--" + key.replace("_", "-"), type=type(default), default=default, choices=CHOICES.get(key))
+        flag = "--" + key.replace("_", "-")
+        p.add_argument(flag, type=type(default), default=default, choices=CHOICES.get(key))
     for flag in ("--resume", "--log-silenced", "--enable-thinking"):
         p.add_argument(flag, action="store_true")
     p.add_argument("--no-chat-template", dest="chat_template", action="store_false")
     return p.parse_args(argv)
 
 
-# ---- the model ----------------------------------------------------------------------------------------
+# ---- the model -----------------------------------------------------------------------------------
 
 class Policy(torch.nn.Module):
     """A causal LM whose forward gives (log p, H) of the response tokens, never the full logits."""
@@ -204,8 +215,8 @@ class Policy(torch.nn.Module):
         self.lm = lm
 
     def forward(self, ids, response, temperature):
-        """ids are right-padded, so causal attention alone never lets a real token see a pad: no mask is
-        needed, and attention runs the fused causal kernel (no [T, T] mask or scores are ever stored)."""
+        """ids are right-padded, so causal attention alone never lets a real token see a pad: no
+        mask is needed, and attention runs the fused causal kernel (no [T, T] mask or scores)."""
         h = self.lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
         at = response[:, 1:]  # the hidden state at t predicts token t + 1
         return token_logprobs_and_entropy(h[:, :-1][at], self.lm.get_output_embeddings().weight,
@@ -213,23 +224,25 @@ class Policy(torch.nn.Module):
 
 
 def refuse_unusual_head(lm, path):
-    """Policy computes logits as hidden @ lm_head.weight; a model whose own logits differ is refused."""
+    """Policy computes logits as hidden @ lm_head.weight; a model whose logits differ is refused."""
     scalings = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-    odd = [f"{k}={getattr(lm.config, k)}" for k in scalings if getattr(lm.config, k, None) not in (None, 1, 1.0)]
+    values = {k: getattr(lm.config, k, None) for k in scalings}
+    odd = [f"{k}={v}" for k, v in values.items() if v not in (None, 1, 1.0)]
     if getattr(lm.get_output_embeddings(), "bias", None) is not None:
         odd.append("an lm_head bias")
     if odd:
-        raise ValueError(f"--model {path}: its logits are not hidden @ lm_head.weight ({', '.join(odd)}); "
-                         "stapo.Policy would compute wrong log-probs for it, so it is refused")
+        raise ValueError(f"--model {path}: its logits are not hidden @ lm_head.weight "
+                         f"({', '.join(odd)}); stapo.Policy would compute wrong log-probs for it, "
+                         "so it is refused")
 
 
 def build_policy(path, mesh, device):
     """fp32 master weights sharded by FSDP2 per decoder layer, then the root; bf16 compute on GPU.
-    Every rank builds the model on the meta device; only rank 0 reads the checkpoint into host memory,
-    and the shards are filled by broadcast from it (8 ranks do not hold 8 full copies)."""
+    Every rank builds the model on the meta device; only rank 0 reads the checkpoint into host
+    memory, and the shards are filled by broadcast from it (8 ranks do not hold 8 full copies)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(path)
-    export_dtype = getattr(config, "dtype", None) or torch.float32  # save_hf writes the checkpoint's dtype
+    export_dtype = getattr(config, "dtype", None) or torch.float32  # save_hf exports this dtype
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     refuse_unusual_head(lm, path)
@@ -243,10 +256,12 @@ def build_policy(path, mesh, device):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(policy, mesh=mesh, mp_policy=mp)
     policy.to_empty(device=device)
-    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) if dist.get_rank() == 0 else None
+    full = None
+    if dist.get_rank() == 0:
+        full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(lm, full.state_dict() if full else {}, options=options)
-    for name, buffer in lm.named_buffers():  # non-persistent buffers (rotary inv_freq) are in no state dict
+    for name, buffer in lm.named_buffers():  # non-persistent (rotary inv_freq): in no state dict
         if full is not None:
             buffer.copy_(full.get_buffer(name))
         dist.broadcast(buffer, src=0)
@@ -254,17 +269,17 @@ def build_policy(path, mesh, device):
 
 
 def full_params(policy, dtype):
-    """(HF name, full tensor) one parameter at a time, in the same order on every rank (a collective).
-    Each shard is cast to the engine's dtype before the all-gather: half the traffic and memory in bf16."""
+    """(HF name, full tensor) per parameter, in the same order on every rank (a collective). Each
+    shard is cast to the engine's dtype before the all-gather: bf16 halves traffic and memory."""
     for name, p in policy.lm.named_parameters():
         p = p.detach().to(dtype)
         yield name, p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def micro_batches(rows, idx, budget):
-    """Split sample indices into micro-batches of at most `budget` padded tokens, shortest samples first
-    (similar lengths share a micro-batch, so little of it is padding), the same count on every rank
-    (FSDP's collectives need it): a rank with fewer runs empty ones (None)."""
+    """Split sample indices into micro-batches of at most `budget` padded tokens, shortest samples
+    first (similar lengths share a micro-batch, so little of it is padding), the same count on every
+    rank (FSDP's collectives need it): a rank with fewer runs empty ones (None)."""
     out, cur, longest = [], [], 0
     for i in sorted(idx, key=lambda i: len(rows[i][0]) + len(rows[i][1])):
         n = len(rows[i][0]) + len(rows[i][1])
@@ -294,7 +309,7 @@ def forward(policy, rows, idx, valid, temperature, device):
 
 @torch.no_grad()
 def no_grad_pass(policy, rows, idx, valid, args, device):
-    """(log p, H) [N, R] under the current policy, filled in for the samples idx, micro-batch by micro-batch."""
+    """(log p, H) [N, R] under the current policy, filled in for the samples idx, by micro-batch."""
     logp, ent = torch.zeros(valid.shape, device=device), torch.zeros(valid.shape, device=device)
     for mb in micro_batches(rows, idx, args.micro_tokens):
         out = forward(policy, rows, mb or idx[:1], valid, args.temperature, device)
@@ -304,20 +319,20 @@ def no_grad_pass(policy, rows, idx, valid, args, device):
 
 
 def current_pass(policy, rows, idx, valid, args, device):
-    """(log p, H) [len(idx), R] of mini-batch idx under the current policy: the S2T statistics. When the
-    mini-batch is one micro-batch on every rank this is the update's own forward, graph kept (log p
-    carries the gradient and update() runs no second forward); otherwise a no-grad pass."""
+    """(log p, H) [len(idx), R] of mini-batch idx under the current policy: the S2T statistics.
+    If the mini-batch is one micro-batch on every rank, this is the update's own forward with its
+    graph kept (log p carries the gradient; update() runs no second forward); else no-grad."""
     if len(micro_batches(rows, idx, args.micro_tokens)) == 1:
         return forward(policy, rows, idx, valid, args.temperature, device)
     logp, ent = no_grad_pass(policy, rows, idx, valid, args, device)
     return logp[idx], ent[idx]
 
 
-# ---- one step -----------------------------------------------------------------------------------------
+# ---- one step ------------------------------------------------------------------------------------
 
 def token_weights(method, logp, ent, adv, valid, args):
-    """Per-token weights `keep`, their global denominator, and the S2T record, for each objective the
-    paper compares. Thresholds are computed over the whole mini-batch on all ranks."""
+    """Per-token weights `keep`, their global denominator, and the S2T record, for each objective
+    the paper compares. Thresholds are computed over the whole mini-batch on all ranks."""
     if method == "grpo":  # token mean per sequence, then mean over sequences
         keep = valid / valid.sum(1, keepdim=True).clamp(min=1)
         return keep, all_reduce_numbers(len(valid))[0], None
@@ -330,7 +345,7 @@ def token_weights(method, logp, ent, adv, valid, args):
     candidates = s2t_mask(logp, ent, adv, valid, args.tau_p, tau_h=float("inf"))
     pooled = gather_cat(ent[candidates])
     tau_h = float(quantile(pooled, args.q)) if len(pooled) else None
-    silenced = s2t_mask(logp, ent, adv, valid, args.tau_p, args.q, tau_h)  # none pooled: none here either
+    silenced = s2t_mask(logp, ent, adv, valid, args.tau_p, args.q, tau_h)  # none pooled: none here
     keep = valid & ~silenced
     s2t = {"silenced": silenced, "candidates": len(pooled), "tau_h": tau_h}
     return keep, all_reduce_numbers(keep.sum())[0], s2t
@@ -339,17 +354,20 @@ def token_weights(method, logp, ent, adv, valid, args):
 def update(policy, opt, rows, idx, keep, denom, logp, old_logp, adv, valid, args, device, metrics):
     """One optimizer step on mini-batch idx. FSDP2 reduce-scatters the gradients after every
     micro-batch, so no rank ever holds an unsharded gradient of the whole model."""
-    eps_high, clip_c = (args.eps_low, None) if args.method == "grpo" else (args.eps_high, args.clip_c)
+    eps_high, clip_c = args.eps_high, args.clip_c
+    if args.method == "grpo":  # GRPO: a symmetric clip, no dual clip
+        eps_high, clip_c = args.eps_low, None
     keep_all = torch.zeros(valid.shape, dtype=keep.dtype, device=device)
     keep_all[idx] = keep
-    kept_graph = logp.requires_grad  # the current pass was this mini-batch's one micro-batch, graph kept
+    kept_graph = logp.requires_grad  # current_pass kept its graph: the mini-batch is one micro-batch
     for mb in [idx] if kept_graph else micro_batches(rows, idx, args.micro_tokens):
         sel = mb or idx[:1]  # an empty micro-batch runs one sample at zero weight
+        mb_keep = keep_all[sel] * bool(mb)
         mb_logp = logp if kept_graph else forward(policy, rows, sel, valid, args.temperature, device)[0]
-        loss, st = stapo_loss(mb_logp, old_logp[sel], adv[sel], keep_all[sel] * bool(mb), denom, args.eps_low,
-                              eps_high, clip_c)
-        (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is already global
-        metrics.add(kept=st["kept"], clip_low=st["clip_low"] * st["kept"], clip_high=st["clip_high"] * st["kept"])
+        loss, st = stapo_loss(mb_logp, old_logp[sel], adv[sel], mb_keep, denom,
+                              args.eps_low, eps_high, clip_c)
+        (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is global
+        metrics.loss_stats(st)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -358,23 +376,24 @@ def update(policy, opt, rows, idx, keep, denom, logp, old_logp, adv, valid, args
 
 @torch.no_grad()
 def sync_engine(engine, policy, probe, device):
-    """Push the policy's weights into the engine, then prove the engine computes what the trainer does:
-    its log-probs of a fixed probe sequence must match the trainer's (a stale, partial or mis-mapped
-    sync fails here, including a copy the engine reads back right but does not sample with)."""
+    """Push the policy's weights into the engine, then prove the engine computes what the trainer
+    does: its log-probs of a fixed probe sequence must match the trainer's (a stale, partial or
+    mis-mapped sync fails here, even a copy the engine reads back right but never samples with)."""
     engine.load_weights(full_params(policy, engine.dtype))
-    rows, valid = [(probe[:1], probe[1:])], torch.ones(1, len(probe) - 1, dtype=torch.bool, device=device)
+    rows = [(probe[:1], probe[1:])]
+    valid = torch.ones(1, len(probe) - 1, dtype=torch.bool, device=device)
     want, _ = forward(policy, rows, [0], valid, 1.0, device)
     got = torch.tensor(engine.logprobs_of(probe), device=device)
     gap = float((got - want[0]).abs().max())
     tolerance = 1e-3 if engine.dtype == torch.float32 else 0.1
     if not gap <= tolerance:
-        raise RuntimeError(f"engine weight sync: the engine's log-probs of the probe differ from the trainer's "
-                           f"by {gap:.3g} > {tolerance} (a stale or partial sync)")
+        raise RuntimeError(f"engine weight sync: the engine's log-probs of the probe differ from "
+                           f"the trainer's by {gap:.3g} > {tolerance} (a stale or partial sync)")
     return gap
 
 
-SUMS = ("samples", "correct", "reward", "flat_groups", "tokens", "valid", "entropy", "truncated", "gap_n", "gap",
-        "silenced", "kept", "clip_low", "clip_high")
+SUMS = ("samples", "correct", "reward", "flat_groups", "tokens", "valid", "entropy", "truncated",
+        "gap_n", "gap", "silenced", "kept", "clip_low", "clip_high")
 
 
 class StepMetrics:
@@ -399,12 +418,19 @@ class StepMetrics:
         self.t_rollout = time.time() - self.t0
 
     def old_policy(self, samples, old_logp, old_ent, valid):
-        """The old policy's entropy, and |sampler log p - trainer log p| (it jumps when a sync breaks)."""
+        """The old policy's entropy; |sampler log p - trainer log p| (it jumps if a sync breaks)."""
         valid, gap = valid.cpu(), torch.zeros(0)
         if samples[0].logprobs is not None:
-            gap = (torch.tensor([x for s in samples for x in s.logprobs]) - old_logp.cpu()[valid]).abs()
-        self.add(valid=valid.sum(), entropy=old_ent.cpu()[valid].sum(), gap_n=gap.numel(), gap=gap.sum())
+            sampler = torch.tensor([x for s in samples for x in s.logprobs])
+            gap = (sampler - old_logp.cpu()[valid]).abs()
+        self.add(valid=valid.sum(), entropy=old_ent.cpu()[valid].sum())
+        self.add(gap_n=gap.numel(), gap=gap.sum())
         self.gap_max = float(gap.max()) if gap.numel() else 0.0
+
+    def loss_stats(self, st):
+        """stapo_loss's clip fractions, as counts (a rank's micro-batches differ in size)."""
+        kept = st["kept"]
+        self.add(kept=kept, clip_low=st["clip_low"] * kept, clip_high=st["clip_high"] * kept)
 
     def minibatch(self, s2t, grad_norm):
         self.grad_norm.append(grad_norm)
@@ -448,21 +474,26 @@ def silenced_records(step, tok, rows, idx, silenced, logp, ent):
     records = []
     for i, t in silenced.nonzero().tolist():
         response = rows[idx[i]][1]
-        records.append({"step": step + 1, "token": tok.decode(response[t:t + 1]),
-                        "p": logp[i, t].exp().item(), "H": ent[i, t].item(),
-                        "left": tok.decode(response[:t])[-40:], "right": tok.decode(response[t + 1:])[:40]})
+        records.append({
+            "step": step + 1,
+            "token": tok.decode(response[t:t + 1]),
+            "p": logp[i, t].exp().item(),
+            "H": ent[i, t].item(),
+            "left": tok.decode(response[:t])[-40:],
+            "right": tok.decode(response[t + 1:])[:40],
+        })
     return records
 
 
 def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
-    """One step of the paper's loop (Algorithm 1) on this rank's prompts: (metrics, silenced-token log)."""
+    """One step of the paper's loop (Algorithm 1) on this rank's prompts: (metrics, silenced)."""
     from reward import score_all
     G, metrics = args.group_size, StepMetrics()
 
     # 1. Rollout: G samples per prompt from the engine (the policy as of the last sync), each seeded
+    prompt_ids = [p for _, p, _ in prompts]
     seeds = [seed_of(args.seed, step, g) for g, _, _ in prompts]
-    groups = engine.generate([p for _, p, _ in prompts], G, args.temperature, args.top_p, args.max_response_len,
-                             seeds)
+    groups = engine.generate(prompt_ids, G, args.temperature, args.top_p, args.max_response_len, seeds)
     engine.sleep()
     samples = [s for group in groups for s in group]
     rows = [(p, s.tokens) for (_, p, _), group in zip(prompts, groups) for s in group]
@@ -478,12 +509,12 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
 
     metrics.rollout(samples, rows, rewards, G)
 
-    # 4. The old policy: log p of every sampled token before any update. Mini-batch 0 needs no pass of its
-    #    own: the policy has not moved yet, so its current pass in step 5 is the old one
+    # 4. The old policy: log p of every sampled token before any update. Mini-batch 0 needs no
+    #    pass of its own: the policy has not moved yet, so its current pass in step 5 is the old one
     everyone, per = list(range(len(rows))), len(rows) // args.minibatches
     old_logp, old_ent = no_grad_pass(policy, rows, everyone[per:], valid, args, device)
 
-    # 5. Mini-batch updates: S2T statistics (p and H of the current policy), the mask, the loss, a step
+    # 5. Mini-batch updates: S2T statistics (p, H of the current policy), the mask, the loss, a step
     lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup_steps))
     for group in opt.param_groups:
         group["lr"] = lr
@@ -494,7 +525,8 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
         if b == 0:
             old_logp[idx], old_ent[idx] = logp.detach(), ent
         keep, denom, s2t = token_weights(args.method, logp.detach(), ent, adv[idx], valid[idx], args)
-        grad_norm = update(policy, opt, rows, idx, keep, denom, logp, old_logp, adv, valid, args, device, metrics)
+        grad_norm = update(policy, opt, rows, idx, keep, denom, logp, old_logp, adv, valid,
+                           args, device, metrics)
         metrics.minibatch(s2t, grad_norm)
         if args.log_silenced and s2t is not None:
             silenced_log += silenced_records(step, tok, rows, idx, s2t["silenced"], logp.detach(), ent)
@@ -505,23 +537,26 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
     return metrics.finish(step, lr, probe_gap, G), silenced_log
 
 
-# ---- checkpoints ----------------------------------------------------------------------------------------
+# ---- checkpoints ---------------------------------------------------------------------------------
 
 def save_hf(policy, tok, path, rank):
-    """An HF-format model (loadable by transformers and vLLM) in the dtype of the checkpoint it started
-    from (Qwen3: bf16), and the tokenizer, written by rank 0."""
-    sd = get_model_state_dict(policy.lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """An HF-format model (loadable by transformers and vLLM) in the dtype of the checkpoint it
+    started from (Qwen3: bf16), and the tokenizer, written by rank 0."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sd = get_model_state_dict(policy.lm, options=options)
     if rank == 0:
-        policy.lm.save_pretrained(path, state_dict={k: v.to(policy.lm.export_dtype) for k, v in sd.items()})
-        policy.lm.config.dtype = policy.lm.export_dtype  # save_pretrained wrote the fp32 masters' dtype
+        exported = {k: v.to(policy.lm.export_dtype) for k, v in sd.items()}
+        policy.lm.save_pretrained(path, state_dict=exported)
+        policy.lm.config.dtype = policy.lm.export_dtype  # not the fp32 masters' dtype
         policy.lm.config.save_pretrained(path)
         tok.save_pretrained(path)
 
 
 def save_checkpoint(step, policy, opt, tok, args, rank):
-    """out/ckpt/step_N: hf/ (the model), dcp/ (sharded model + optimizer), state.json. Written under a
-    temporary name and renamed when complete, so a crash never leaves a half checkpoint; only the newest
-    --keep-ckpts are kept. No RNG state is needed: every sample is seeded by (seed, step, prompt)."""
+    """out/ckpt/step_N: hf/ (the model), dcp/ (sharded model + optimizer), state.json. Written
+    under a temporary name and renamed when complete, so a crash never leaves half a checkpoint;
+    only the newest --keep-ckpts are kept. No RNG state: each sample is seeded by its (seed, step,
+    prompt)."""
     final = os.path.join(args.out, "ckpt", f"step_{step}")
     tmp = final + ".tmp"
     if rank == 0:
@@ -550,7 +585,7 @@ def checkpoints(out):
 
 
 def load_checkpoint(policy, opt, args):
-    """Restore the latest complete checkpoint; returns the number of steps it had done (0 if none)."""
+    """Restore the latest complete checkpoint; returns the steps it had done (0 if none)."""
     done = checkpoints(args.out)
     if not done:
         return 0
@@ -562,7 +597,7 @@ def load_checkpoint(policy, opt, args):
 
 
 class Reporter:
-    """--report-to: each step's metrics dict also goes to W&B or TensorBoard, imported only when asked for."""
+    """--report-to: each step's metrics also go to W&B or TensorBoard (imported only if asked)."""
 
     def __init__(self, kind, out, config):
         self.kind = kind
@@ -583,7 +618,7 @@ class Reporter:
             self.writer.flush()
 
 
-# ---- main -----------------------------------------------------------------------------------------------
+# ---- main ----------------------------------------------------------------------------------------
 
 def train(args):
     from tqdm import tqdm
@@ -591,19 +626,19 @@ def train(args):
     from rollout import make_engine
     rank, world, device, mesh = init_distributed()
     if args.prompts_per_step % (args.minibatches * world):
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must split evenly into --minibatches "
-                         f"{args.minibatches}, each over {world} ranks")
+        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must split evenly into "
+                         f"--minibatches {args.minibatches}, each over {world} ranks")
     tok = AutoTokenizer.from_pretrained(args.model)
-    data = encode_problems(tok, load_problems(args.dataset), args.max_prompt_len, args.chat_template,
-                           args.enable_thinking)
-    probe = encode_prompt(tok, "What is 1 + 1?", args.chat_template)  # the sync's self-check sequence
+    problems = load_problems(args.dataset)
+    data = encode_problems(tok, problems, args.max_prompt_len, args.chat_template, args.enable_thinking)
+    probe = encode_prompt(tok, "What is 1 + 1?", args.chat_template)  # the sync's self-check
     probe += tok.encode("\\boxed{2}", add_special_tokens=False)
     policy = build_policy(args.model, mesh, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=True)
     start = load_checkpoint(policy, opt, args) if args.resume else 0
-    engine = make_engine(args.engine, args.model, tok, device, args.max_prompt_len + args.max_response_len,
-                         args.gpu_memory_utilization)
-    sync_engine(engine, policy, probe, device)  # vLLM starts from dummy weights; after --resume, the loaded ones
+    max_model_len = args.max_prompt_len + args.max_response_len
+    engine = make_engine(args.engine, args.model, tok, device, max_model_len, args.gpu_memory_utilization)
+    sync_engine(engine, policy, probe, device)  # replaces vLLM's dummy weights
     logs = [os.path.join(args.out, name) for name in ("metrics.jsonl", "silenced.jsonl")]
     config = {**vars(args), "world_size": world, "device": str(device), "problems": len(data)}
     if rank == 0:
@@ -613,7 +648,8 @@ def train(args):
         for path in logs:
             drop_steps_after(path, start)
         reporter = Reporter(args.report_to, args.out, config)
-    for step in tqdm(range(start, args.steps), disable=rank != 0, desc="stapo", initial=start, total=args.steps):
+    progress = dict(desc="stapo", initial=start, total=args.steps, disable=rank != 0)
+    for step in tqdm(range(start, args.steps), **progress):
         prompts = step_prompts(data, step, args, rank, world)
         metrics, silenced = train_step(step, policy, opt, engine, tok, prompts, args, device, probe)
         if args.eval_every and (step + 1) % args.eval_every == 0:
@@ -625,8 +661,8 @@ def train(args):
             reporter.log(metrics)
             if silenced:
                 append_jsonl(logs[1], silenced)
-            shown = ("step", "reward_mean", "accuracy", "silenced_frac", "response_len_mean", "entropy_mean",
-                     "grad_norm", "step_s")
+            shown = ("step", "reward_mean", "accuracy", "silenced_frac", "response_len_mean",
+                     "entropy_mean", "grad_norm", "step_s")
             tqdm.write(" ".join(f"{k}={metrics[k]:.4g}" for k in shown))
         if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(step + 1, policy, opt, tok, args, rank)
