@@ -25,8 +25,9 @@ PRESETS = {"train": (1.0, 1.0), "justrl": (0.7, 0.9)}  # (temperature, top-p): t
 
 
 def benchmark_row(name, row, i, where):
-    """One row mapped to {id, problem, answer}, from any of three layouts: ours (problem, answer), the Hub's
-    (BENCHMARKS' columns), or verl's (prompt[0].content, reward_model.ground_truth: JustRL's parquet files)."""
+    """One row mapped to {id, problem, answer}, from any of three layouts: ours (problem, answer),
+    the Hub's (BENCHMARKS' columns), or verl's (prompt[0].content, reward_model.ground_truth: JustRL's
+    parquet files)."""
     from reward import extract_boxed
     from rollout import _problem_answer
     _, _, pcol, acol, _ = BENCHMARKS[name]
@@ -122,9 +123,9 @@ def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0
     for name in names:
         every = load_benchmark(name, data_dir, (sources or {}).get(name))[:limit]
         problems, k = every[rank::world], samples or BENCHMARKS[name][4]
-        outs = engine.generate([encode_prompt(tok, p["problem"], chat_template, enable_thinking) for p in problems],
-                               k, temperature, top_p, max_tokens, progress=rank == 0,
-                               seeds=[seed_of(seed, i) for i in range(rank, len(every), world)])
+        prompts = [encode_prompt(tok, p["problem"], chat_template, enable_thinking) for p in problems]
+        seeds = [seed_of(seed, i) for i in range(rank, len(every), world)]
+        outs = engine.generate(prompts, k, temperature, top_p, max_tokens, seeds, progress=rank == 0)
         texts = [tok.decode(s.tokens, skip_special_tokens=True) for out in outs for s in out]
         golds = [p["answer"] for p in problems for _ in range(k)]
         answers = [(extract_answer if unboxed else extract_boxed)(text) for text in texts]
@@ -157,10 +158,11 @@ def judge(records, engine, tok, template=None, max_tokens=16):
 def evaluate_during_training(engine, tok, args, rank, world):
     """`stapo.py --eval-every K`: the same evaluation through the trainer's engine; returns eval/<name>."""
     from rollout import gather
-    records = sum(gather(evaluate(
-        engine, tok, args.eval_benchmarks.split(","), args.eval_samples or None, args.temperature, args.top_p,
-        args.eval_max_tokens, rank, world, args.eval_data_dir or None, None, args.chat_template,
-        args.enable_thinking, args.seed)), [])
+    mine = evaluate(engine, tok, args.eval_benchmarks.split(","), args.eval_samples or None,
+                    args.temperature, args.top_p, args.eval_max_tokens, rank, world,
+                    data_dir=args.eval_data_dir or None, chat_template=args.chat_template,
+                    enable_thinking=args.enable_thinking, seed=args.seed)
+    records = sum(gather(mine), [])
     return {f"eval/{name}": r["avg@k"] for name, r in summarize(records).items()}
 
 
@@ -170,7 +172,8 @@ def compare(a, b):
     for name in dict.fromkeys([*ra, *rb]):
         x, y = ra.get(name, {}).get("avg@k"), rb.get(name, {}).get("avg@k")
         diff = f"{y - x:+.2f}" if x is not None and y is not None else "n/a"
-        print(f"| {name} | {'-' if x is None else f'{x:.2f}'} | {'-' if y is None else f'{y:.2f}'} | {diff} |")
+        cells = ["-" if v is None else f"{v:.2f}" for v in (x, y)]
+        print(f"| {name} | {cells[0]} | {cells[1]} | {diff} |")
 
 
 def main(argv=None):
@@ -185,10 +188,14 @@ def main(argv=None):
     p.add_argument("--limit", type=int, help="first N problems of each benchmark")
     p.add_argument("--data-dir", help="read <name>.jsonl files here instead of the Hub")
     p.add_argument("--source", action="append", default=[], metavar="NAME=FILE",
-                   help="a benchmark from a local .jsonl/.parquet in our, the Hub's or verl's layout (repeatable)")
-    p.add_argument("--unboxed", action="store_true", help="also grade unboxed final answers (not the paper's)")
-    p.add_argument("--judge", metavar="MODEL", help="a judge for what the rules reject: opencompass/CompassVerifier-3B")
-    p.add_argument("--judge-prompt", metavar="FILE", help="the judge's template (reward.JUDGE_PROMPT's fields)")
+                   help="a benchmark from a local .jsonl/.parquet in our, the Hub's or verl's layout "
+                        "(repeatable)")
+    p.add_argument("--unboxed", action="store_true",
+                   help="also grade unboxed final answers (not the paper's)")
+    p.add_argument("--judge", metavar="MODEL",
+                   help="a judge for what the rules reject: opencompass/CompassVerifier-3B")
+    p.add_argument("--judge-prompt", metavar="FILE",
+                   help="the judge's template (reward.JUDGE_PROMPT's fields)")
     p.add_argument("--judge-max-tokens", type=int, default=16)
     p.add_argument("--out", default="runs/eval")
     p.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
@@ -203,9 +210,12 @@ def main(argv=None):
     if not a.model:
         p.error("--model is required (or --compare OUT_A OUT_B)")
     names = list(BENCHMARKS) if a.benchmarks == "all" else a.benchmarks.split(",")
-    if any(n not in BENCHMARKS for n in names):
-        p.error(f"--benchmarks: unknown {[n for n in names if n not in BENCHMARKS]}; choose from {list(BENCHMARKS)}")
-    temperature, top_p = (x if x is not None else d for x, d in zip((a.temperature, a.top_p), PRESETS[a.preset]))
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        p.error(f"--benchmarks: unknown {unknown}; choose from {list(BENCHMARKS)}")
+    temperature, top_p = PRESETS[a.preset]  # a flag given overrides its preset
+    temperature = temperature if a.temperature is None else a.temperature
+    top_p = top_p if a.top_p is None else a.top_p
     a.sources = dict(x.split("=", 1) for x in a.source if "=" in x)
     if len(a.sources) != len(a.source) or any(n not in BENCHMARKS for n in a.sources):
         p.error(f"--source: expected NAME=FILE with NAME one of {list(BENCHMARKS)}, got {a.source}")
@@ -226,8 +236,10 @@ def load_engine(a, model, device, max_model_len):
     from rollout import make_engine
     tok = AutoTokenizer.from_pretrained(model)
     longest = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None) or max_model_len
-    return tok, make_engine(a.engine, model, tok, device, min(max_model_len, longest), a.gpu_memory_utilization,
-                            for_training=False)
+    context = min(max_model_len, longest)
+    engine = make_engine(a.engine, model, tok, device, context, a.gpu_memory_utilization,
+                         for_training=False)
+    return tok, engine
 
 
 def run(a, names, temperature, top_p, rank, world, device):
@@ -242,18 +254,29 @@ def run(a, names, temperature, top_p, rank, world, device):
         engine.sleep()  # both live to the end of run(): a vLLM engine's shutdown destroys the process group
         judge_tok, judge_engine = load_engine(a, a.judge, device, 1 << 20)
         t0 = time.time()
-        judge(mine, judge_engine, judge_tok, a.judge_prompt and open(a.judge_prompt).read(), a.judge_max_tokens)
+        template = open(a.judge_prompt).read() if a.judge_prompt else None
+        judge(mine, judge_engine, judge_tok, template, a.judge_max_tokens)
         judge_seconds = time.time() - t0
     records = sum(gather(mine), [])
     if rank == 0:
         rows = summarize(records)
         os.makedirs(a.out, exist_ok=True)
-        results = {"model": a.model, "preset": a.preset, "config": vars(a), "table": rows,
-                   "samples_per_s": len(records) / seconds, "tokens_per_s": sum(r["length"] for r in records) / seconds}
+        results = {
+            "model": a.model,
+            "preset": a.preset,
+            "config": vars(a),
+            "table": rows,
+            "samples_per_s": len(records) / seconds,
+            "tokens_per_s": sum(r["length"] for r in records) / seconds,
+        }
         if a.judge:  # rank 0's cost, the judge's start-up excluded
             results["judge_s_per_judged_sample"] = judge_seconds / max(1, sum(not r["correct"] for r in mine))
-        for name, text in (("samples.jsonl", "".join(json.dumps(r) + "\n" for r in records)),
-                           ("summary.md", table(rows) + "\n"), ("results.json", json.dumps(results, indent=1))):
+        files = {
+            "samples.jsonl": "".join(json.dumps(r) + "\n" for r in records),
+            "summary.md": table(rows) + "\n",
+            "results.json": json.dumps(results, indent=1),
+        }
+        for name, text in files.items():
             with open(os.path.join(a.out, name), "w") as f:
                 f.write(text)
         print(table(rows))

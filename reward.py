@@ -106,7 +106,9 @@ def score_all(completions, golds):
 
 def check_all(answers, golds):
     """is_equivalent over many extracted answers (None is wrong), on the same pool of threads."""
-    return list(_pool.map(lambda answer, gold: answer is not None and is_equivalent(answer, gold), answers, golds))
+    def check(answer, gold):
+        return answer is not None and is_equivalent(answer, gold)
+    return list(_pool.map(check, answers, golds))
 
 
 # ---- The judge: a model's second opinion on what the rules reject (eval.py --judge) ----------------------
@@ -559,7 +561,8 @@ class _Parser:
             x = self.power()
             while self.peek() is not None and (self.peek()[0].isalnum() or self.peek()[1:] in _GREEK + ["pi"]):
                 x = x * self.power()
-        f = {"ln": sp.log, "arcsin": sp.asin, "arccos": sp.acos, "arctan": sp.atan}.get(name) or getattr(sp, name)
+        renamed = {"ln": sp.log, "arcsin": sp.asin, "arccos": sp.acos, "arctan": sp.atan}
+        f = renamed.get(name) or getattr(sp, name)
         y = sp.log(x, base) if base is not None else f(x)
         return y ** power if power is not None else y
 
@@ -609,9 +612,9 @@ class _Worker:
 
     def __init__(self):
         here = os.path.dirname(os.path.abspath(__file__))
-        self.proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.path.insert(0, %r); import reward; "
-                                      "reward._serve()" % here], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        serve = "import sys; sys.path.insert(0, %r); import reward; reward._serve()" % here
+        self.proc = subprocess.Popen([sys.executable, "-c", serve], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
         _workers.add(self)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("reward worker failed to start")

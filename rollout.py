@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
-DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the "
-               "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should "
+               "be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
+               "problem.\n\n")
 DAPO_SUFFIX = "\n\nRemember to put your answer on its own line after \"Answer:\"."
 
 
@@ -88,7 +89,8 @@ def _problem_answer(row, where):
     try:  # DAPO-Math-17k's own schema: the problem inside its instruction wrapper, the gold in reward_model
         content, gold = row["prompt"][0]["content"], str(row["reward_model"]["ground_truth"])
     except (KeyError, IndexError, TypeError):
-        raise ValueError(f"{where}: missing field 'prompt[0].content' or 'reward_model.ground_truth'") from None
+        fields = "'prompt[0].content' or 'reward_model.ground_truth'"
+        raise ValueError(f"{where}: missing field {fields}") from None
     if content.startswith(DAPO_PREFIX) and content.endswith(DAPO_SUFFIX):
         content = content[len(DAPO_PREFIX):len(content) - len(DAPO_SUFFIX)]
     return content, gold
@@ -155,7 +157,8 @@ def init_distributed():
             dist.init_process_group(backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1,
                                     timeout=timedelta(hours=2))
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return dist.get_rank(), dist.get_world_size(), device, init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    return dist.get_rank(), world, device, init_device_mesh(device.type, (world,))
 
 
 def gather(obj):
@@ -226,15 +229,18 @@ class HFEngine:
         ids = torch.tensor([[0] * (width - len(p)) + p for p in rows], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.device)
         gens = [torch.Generator().manual_seed(seed + j) for seed in seeds for j in range(n)]
-        cache, eos = DynamicCache(config=self.model.config), torch.tensor(sorted(self.eos), device=self.device)
+        cache = DynamicCache(config=self.model.config)
+        eos = torch.tensor(sorted(self.eos), device=self.device)
         done, out = torch.zeros(len(rows), dtype=torch.bool, device=self.device), []
         for t in range(max_tokens):
             if t % 256 == 0:  # the next 256 uniforms of every sample's own stream
-                u = torch.stack([torch.rand(256, generator=g, dtype=torch.float64) for g in gens]).to(self.device)
+                draws = [torch.rand(256, generator=g, dtype=torch.float64) for g in gens]
+                u = torch.stack(draws).to(self.device)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                                logits_to_keep=1).logits[:, -1]
-            ids = sample_token(logits, u[:, t % 256], temperature, top_p).masked_fill(done, min(self.eos))[:, None]
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                past_key_values=cache, logits_to_keep=1).logits[:, -1]
+            token = sample_token(logits, u[:, t % 256], temperature, top_p)
+            ids = token.masked_fill(done, min(self.eos))[:, None]  # a finished row repeats an end token
             out.append(ids)
             done |= torch.isin(ids[:, 0], eos)
             if done.all():
@@ -274,16 +280,18 @@ class VLLMEngine:
 
     def __init__(self, model, tok, max_model_len, gpu_memory_utilization, for_training=True):
         from vllm import LLM
-        os.environ.setdefault("RANK", str(dist.get_rank() if dist.is_initialized() else 0))  # external launcher
-        os.environ.setdefault("LOCAL_RANK", "0")                                                # reads both
+        # the external launcher reads both
+        os.environ.setdefault("RANK", str(dist.get_rank() if dist.is_initialized() else 0))
+        os.environ.setdefault("LOCAL_RANK", "0")
         cuda = torch.cuda.is_available()
         self.dtype = torch.bfloat16 if cuda else torch.float32
         self.can_sleep = cuda
         cpu_only = {} if cuda else {"enforce_eager": True, "enable_chunked_prefill": False}
-        self.llm = LLM(model=model, distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-                       seed=0, gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
+        self.llm = LLM(model=model, distributed_executor_backend="external_launcher",
+                       tensor_parallel_size=1, seed=0, dtype=str(self.dtype)[6:],
+                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
                        max_model_len=max_model_len, logprobs_mode="processed_logprobs",
-                       load_format="dummy" if for_training else "auto", dtype=str(self.dtype)[6:], **cpu_only)
+                       load_format="dummy" if for_training else "auto", **cpu_only)
         self.cuda, self.asleep = cuda, False
         if for_training:  # its dummy weights wait for the first sync
             self.sleep()
@@ -297,8 +305,13 @@ class VLLMEngine:
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=-1, max_tokens=max_tokens,
                                  logprobs=0, seed=seed, detokenize=False) for seed in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
-        return [[Sample(list(c.token_ids), "length" if c.finish_reason == "length" else "stop",
-                        [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]) for c in o.outputs] for o in outs]
+        return [[self._sample(c) for c in out.outputs] for out in outs]
+
+    @staticmethod
+    def _sample(c):
+        """A vLLM completion as a Sample, with the sampler's log-prob of each of its tokens."""
+        logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
+        return Sample(list(c.token_ids), "length" if c.finish_reason == "length" else "stop", logprobs)
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
@@ -334,4 +347,5 @@ def make_engine(kind, model, tok, device, max_model_len, gpu_memory_utilization,
         kind = "vllm" if device.type == "cuda" and importlib.util.find_spec("vllm") else "hf"
     if kind == "vllm":
         return VLLMEngine(model, tok, max_model_len, gpu_memory_utilization, for_training)
-    return HFEngine(model, device, torch.bfloat16 if device.type == "cuda" else torch.float32, tok.eos_token_id)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return HFEngine(model, device, dtype, tok.eos_token_id)
