@@ -359,7 +359,7 @@ def update(policy, opt, rows, idx, keep, denom, logp, old_logp, adv, valid, args
         eps_high, clip_c = args.eps_low, None
     keep_all = torch.zeros(valid.shape, dtype=keep.dtype, device=device)
     keep_all[idx] = keep
-    kept_graph = logp.requires_grad  # current_pass kept its graph: the mini-batch is one micro-batch
+    kept_graph = logp.requires_grad  # current_pass kept its graph (one micro-batch)
     for mb in [idx] if kept_graph else micro_batches(rows, idx, args.micro_tokens):
         sel = mb or idx[:1]  # an empty micro-batch runs one sample at zero weight
         mb_keep = keep_all[sel] * bool(mb)
