@@ -555,8 +555,7 @@ def save_hf(policy, tok, path, rank):
 def save_checkpoint(step, policy, opt, tok, args, rank):
     """out/ckpt/step_N: hf/ (the model), dcp/ (sharded model + optimizer), state.json. Written
     under a temporary name and renamed when complete, so a crash never leaves half a checkpoint;
-    only the newest --keep-ckpts are kept. No RNG state: each sample is seeded by its (seed, step,
-    prompt)."""
+    only the newest --keep-ckpts are kept. No RNG state: a sample's seed is (seed, step, prompt)."""
     final = os.path.join(args.out, "ckpt", f"step_{step}")
     tmp = final + ".tmp"
     if rank == 0:
@@ -585,7 +584,7 @@ def checkpoints(out):
 
 
 def load_checkpoint(policy, opt, args):
-    """Restore the latest complete checkpoint; returns the steps it had done (0 if none)."""
+    """Restore the latest complete checkpoint; returns how many steps it had done (0 if none)."""
     done = checkpoints(args.out)
     if not done:
         return 0
@@ -638,7 +637,7 @@ def train(args):
     start = load_checkpoint(policy, opt, args) if args.resume else 0
     max_model_len = args.max_prompt_len + args.max_response_len
     engine = make_engine(args.engine, args.model, tok, device, max_model_len, args.gpu_memory_utilization)
-    sync_engine(engine, policy, probe, device)  # replaces vLLM's dummy weights
+    sync_engine(engine, policy, probe, device)  # vLLM's dummy weights become the (resumed) policy's
     logs = [os.path.join(args.out, name) for name in ("metrics.jsonl", "silenced.jsonl")]
     config = {**vars(args), "world_size": world, "device": str(device), "problems": len(data)}
     if rank == 0:
