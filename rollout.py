@@ -362,7 +362,7 @@ class VLLMEngine:
         os.environ.setdefault("RANK", str(dist.get_rank() if dist.is_initialized() else 0))
         os.environ.setdefault("LOCAL_RANK", "0")
         cuda = torch.cuda.is_available()
-        self.dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+        self.dtype = dtype or compute_dtype("auto", torch.device("cuda" if cuda else "cpu"))
         self.can_sleep = cuda and sleep_mode
         self.logprobs = 0 if for_training else None  # the sampler's log-prob of each token: training only
         cpu_only = {} if cuda else {"enforce_eager": True, "enable_chunked_prefill": False}
@@ -435,7 +435,7 @@ def make_engine(kind, model, tok, device, max_model_len, gpu_memory_utilization,
                 dtype=None, sleep_mode=True):
     """--engine auto: vLLM when CUDA and vllm are present, else HF generate. dtype: the engine's
     weights (default: bf16 on CUDA, fp32 on CPU)."""
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = dtype or compute_dtype("auto", device)
     if kind == "auto":
         kind = "vllm" if device.type == "cuda" and importlib.util.find_spec("vllm") else "hf"
     if kind == "vllm":
