@@ -6,17 +6,13 @@ import torch
 
 import contract_ddp
 from stapo import s2t_mask, stapo_loss
+from test_core import _batch as core_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _batch(seed=0, n=8, t=7):
-    g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(n, t, generator=g) * 8
-    logp = (old + torch.randn(n, t, generator=g) * 0.3).requires_grad_()
-    adv = torch.randn(n, generator=g)
-    valid = torch.arange(t)[None, :] < torch.randint(1, t + 1, (n,), generator=g)[:, None]
-    return logp, old, adv, valid
+def _batch(seed=0):
+    return core_batch(seed, n=8, t=7, depth=8, noise=0.3)
 
 
 def test_gradient_flows_only_through_logp():

@@ -140,10 +140,11 @@ def test_stapo_loss_dual_clip_off():
     assert out.item() == pytest.approx(20.0)
 
 
-def _batch(seed=0, n=6, t=9):
+def _batch(seed=0, n=6, t=9, depth=3, noise=0.4):
+    """A padded batch: old log-probs in (-depth, 0], logp = old + noise (with grad), adv, valid."""
     g = torch.Generator().manual_seed(seed)
-    old = -torch.rand(n, t, generator=g) * 3
-    logp = (old + torch.randn(n, t, generator=g) * 0.4).requires_grad_()
+    old = -torch.rand(n, t, generator=g) * depth
+    logp = (old + torch.randn(n, t, generator=g) * noise).requires_grad_()
     adv = torch.randn(n, generator=g)
     lengths = torch.randint(1, t + 1, (n,), generator=g)
     valid = torch.arange(t)[None, :] < lengths[:, None]
