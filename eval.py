@@ -10,7 +10,21 @@ mean accuracy over the k samples, pass@k the fraction of problems with a correct
 reward.score > 0 on the last \\boxed{}: gold conventions (AIME's zero padding, Minerva's e-notation,
 OlympiadBench's unordered multi-answers) live in reward.py, not here.
 """
-import argparse, functools, json, os, re, time
+import argparse
+import functools
+import json
+import os
+import re
+import time
+
+import datasets
+import torch.distributed as dist
+from transformers import AutoConfig, AutoTokenizer
+
+from parallel import gather, init_distributed
+from problems import encode_prompt, problem_answer, read_jsonl, seed_of
+from reward import check_all, extract_answer, extract_boxed, judge_prompt, judge_verdict
+from rollout import compute_dtype, make_engine
 
 # name: (Hub id, split, problem column, answer column, samples per problem)
 BENCHMARKS = {
@@ -28,14 +42,12 @@ def benchmark_row(name, row, i, where):
     """One row mapped to {id, problem, answer}, from any of three layouts: ours (problem, answer),
     the Hub's (BENCHMARKS' columns), or verl's (prompt[0].content, reward_model.ground_truth: JustRL's
     parquet files)."""
-    from reward import extract_boxed
-    from rollout import _problem_answer
     _, _, pcol, acol, _ = BENCHMARKS[name]
     rid = row.get("id", row.get("unique_id", (row.get("extra_info") or {}).get("index", i)))
     if pcol in row and acol in row and "prompt" not in row:
         problem, answer = row[pcol], row[acol]
     else:  # ours or verl's; a row missing a field is an error naming the file and line
-        problem, answer = _problem_answer(row, where)
+        problem, answer = problem_answer(row, where)
     if isinstance(answer, list):  # OlympiadBench: final_answer is a list of strings
         answer = ", ".join(a.strip("$") for a in answer)
     elif isinstance(answer, float):  # AMC23 stores 27.0
@@ -49,12 +61,10 @@ def benchmark_row(name, row, i, where):
 def load_benchmark(name, data_dir=None, source=None):
     """{id, problem, answer} rows of one benchmark: from `source` (a local .jsonl/.parquet in any layout
     benchmark_row reads), else <data_dir>/<name>.jsonl, else the Hub."""
-    from rollout import read_jsonl
     path = source or (os.path.join(data_dir, name + ".jsonl") if data_dir else None)
     if path and path.endswith(".jsonl"):
         rows = read_jsonl(path)
     else:
-        import datasets
         hub, split = BENCHMARKS[name][:2]
         if path:
             ds = datasets.load_dataset("parquet", data_files=path, split="train")
@@ -117,8 +127,6 @@ def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0
     """Per-sample records for this rank's share of each benchmark (problem i goes to rank i % world).
     Each benchmark's prompts go to the engine in one call; the answers are checked on parallel threads.
     The answer is the last box (the paper's protocol), or with `unboxed` reward.extract_answer's pick."""
-    from reward import check_all, extract_answer, extract_boxed
-    from rollout import encode_prompt, seed_of
     records = []
     for name in names:
         every = load_benchmark(name, data_dir, (sources or {}).get(name))[:limit]
@@ -142,8 +150,6 @@ def judge(records, engine, tok, template=None, max_tokens=16):
     """A second opinion on every sample the rules rejected, as JustRL grades with CompassVerifier-3B: the
     judge model reads the problem, the gold and the whole response, greedily, and only its "A" counts.
     Each sample gets `judge` (the letter; None when not asked) and `judged` (right by rules or judge)."""
-    from reward import judge_prompt, judge_verdict
-    from rollout import encode_prompt
     todo = [r for r in records if not r["correct"]]
     prompts = [encode_prompt(tok, judge_prompt(r["problem"], r["gold"], r["completion"], template), suffix="")
                for r in todo]
@@ -157,7 +163,6 @@ def judge(records, engine, tok, template=None, max_tokens=16):
 
 def longest_prompt(tok, args):
     """`stapo.py --eval-every`: the longest prompt of --eval-benchmarks, in tokens."""
-    from rollout import encode_prompt
     problems = [p for name in args.eval_benchmarks.split(",")
                 for p in load_benchmark(name, args.eval_data_dir or None)]
     prompts = [encode_prompt(tok, p["problem"], args.chat_template, args.enable_thinking) for p in problems]
@@ -166,7 +171,6 @@ def longest_prompt(tok, args):
 
 def evaluate_during_training(engine, tok, args, rank, world):
     """`stapo.py --eval-every K`: the same evaluation through the trainer's engine; returns eval/<name>."""
-    from rollout import gather
     mine = evaluate(engine, tok, args.eval_benchmarks.split(","), args.eval_samples or None,
                     args.temperature, args.top_p, args.eval_max_tokens, rank, world,
                     data_dir=args.eval_data_dir or None, chat_template=args.chat_template,
@@ -232,8 +236,6 @@ def main(argv=None):
     a.sources = dict(x.split("=", 1) for x in a.source if "=" in x)
     if len(a.sources) != len(a.source) or any(n not in BENCHMARKS for n in a.sources):
         p.error(f"--source: expected NAME=FILE with NAME one of {list(BENCHMARKS)}, got {a.source}")
-    import torch.distributed as dist
-    from rollout import init_distributed
     own_group = not dist.is_initialized()
     rank, world, device, _ = init_distributed()
     try:
@@ -245,8 +247,6 @@ def main(argv=None):
 
 def load_engine(a, model, device, max_model_len, memory, sleep_mode=True):
     """A model's tokenizer and inference engine, its context capped at the model's own."""
-    from transformers import AutoConfig, AutoTokenizer
-    from rollout import compute_dtype, make_engine
     tok = AutoTokenizer.from_pretrained(model)
     longest = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None) or max_model_len
     context = min(max_model_len, longest)
@@ -256,8 +256,6 @@ def load_engine(a, model, device, max_model_len, memory, sleep_mode=True):
 
 
 def run(a, names, temperature, top_p, rank, world, device):
-    import torch.distributed as dist
-    from rollout import gather
     tok, engine = load_engine(a, a.model, device, a.max_tokens + 2048, a.gpu_memory_utilization)
     t0 = time.time()
     mine = evaluate(engine, tok, names, a.samples, temperature, top_p, a.max_tokens, rank, world, a.data_dir,

@@ -1,4 +1,4 @@
-"""rollout.py: problems in, samples out. Data, prompts and logs, the process group, the two engines.
+"""rollout.py: the engines. Prompts in, samples out, and the trainer's weights in after every step.
 
 The trainer and eval.py speak to an engine through four calls:
     engine.generate(prompts, n, temperature, top_p, max_tokens, seeds, progress=False)
@@ -11,247 +11,14 @@ HFEngine decodes with a transformers model (CPU, tests, small runs); VLLMEngine 
 (GPU, and vLLM's CPU build). Both follow vLLM's seeding rule, so a rollout depends on neither the batch nor
 the rank.
 """
-import hashlib, importlib.util, json, os
+import importlib.util
+import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM, StaticCache
 
-SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
-DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should "
-               "be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
-               "problem.\n\n")
-DAPO_SUFFIX = "\n\nRemember to put your answer on its own line after \"Answer:\"."
-# The sync's self-check reads the engine's and the trainer's log-probs of this question and answer.
-PROBE = ("What is the sum of the first 100 positive integers?",
-         "Pair the first number with the last, the second with the one before last, and so on: "
-         "1 + 100 = 101, 2 + 99 = 101, 3 + 98 = 101, and every one of the 50 pairs adds up to 101. "
-         "The sum is therefore 50 \\times 101 = 5050. As a check, the formula n(n+1)/2 with n = 100 "
-         "gives 100 \\cdot 101 / 2 = 10100 / 2 = 5050, the same number. The average of the numbers "
-         "is (1 + 100) / 2 = 50.5, and 100 numbers of average 50.5 add up to 5050 again. So the "
-         "sum of the first 100 positive integers is \\boxed{5050}.")
-
-
-# ---- prompts, data and logs -----------------------------------------------------------------------------
-
-def encode_prompt(tok, problem, chat_template=True, enable_thinking=False, suffix=SUFFIX):
-    """Token ids of the paper's prompt: the problem + SUFFIX, as a user turn of the chat template."""
-    text = problem + suffix
-    if chat_template and tok.chat_template:
-        text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                       add_generation_prompt=True, enable_thinking=enable_thinking)
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def encode_problems(tok, problems, max_prompt_len, chat_template=True, enable_thinking=False):
-    """[(prompt ids, answer)] for (problem, answer) pairs, dropping prompts longer than max_prompt_len."""
-    out = []
-    for problem, answer in problems:
-        ids = encode_prompt(tok, problem, chat_template, enable_thinking)
-        if len(ids) <= max_prompt_len:
-            out.append((ids, answer))
-    return out
-
-
-def read_jsonl(path, fields=()):
-    """[("file:line", row)] of a .jsonl file; a line that is not a JSON object, or lacks one of `fields`,
-    is an error naming the file, the line and the field."""
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{i}: not an object")
-            missing = [k for k in fields if row.get(k) is None]
-            if missing:
-                raise ValueError(f"{path}:{i}: missing field {missing[0]!r}")
-            rows.append((f"{path}:{i}", row))
-    return rows
-
-
-def append_jsonl(path, records):
-    with open(path, "a") as f:
-        f.writelines(json.dumps(record) + "\n" for record in records)
-
-
-def drop_steps_after(path, step):
-    """Cut a log back to the checkpoint's step: a resumed run re-runs (and re-logs) the steps after it."""
-    if os.path.exists(path):
-        kept = [line for line in open(path) if json.loads(line)["step"] <= step]
-        with open(path, "w") as f:
-            f.writelines(kept)
-
-
-class Reporter:
-    """--report-to: each step's metrics also go to W&B or TensorBoard (imported only if asked)."""
-
-    def __init__(self, kind, out, config):
-        self.kind = kind
-        if kind == "wandb":
-            import wandb
-            self.run = wandb.init(dir=out, config=config)
-        if kind == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(os.path.join(out, "tensorboard"))
-
-    def log(self, metrics):
-        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-        if self.kind == "wandb":
-            self.run.log(numbers, step=metrics["step"])
-        if self.kind == "tensorboard":
-            for key, value in numbers.items():
-                self.writer.add_scalar(key, value, metrics["step"])
-            self.writer.flush()
-
-
-def _problem_answer(row, where):
-    if "prompt" not in row:
-        missing = [k for k in ("problem", "answer") if row.get(k) is None]
-        if missing:
-            raise ValueError(f"{where}: missing field {missing[0]!r}")
-        return row["problem"], str(row["answer"])
-    try:  # DAPO-Math-17k's own schema: the problem inside its instruction wrapper, the gold in reward_model
-        content, gold = row["prompt"][0]["content"], str(row["reward_model"]["ground_truth"])
-    except (KeyError, IndexError, TypeError):
-        fields = "'prompt[0].content' or 'reward_model.ground_truth'"
-        raise ValueError(f"{where}: missing field {fields}") from None
-    if content.startswith(DAPO_PREFIX) and content.endswith(DAPO_SUFFIX):
-        content = content[len(DAPO_PREFIX):len(content) - len(DAPO_SUFFIX)]
-    return content, gold
-
-
-def load_problems(spec):
-    """[(problem, answer)] from a local .jsonl/.parquet or a Hub dataset, duplicates of a problem dropped."""
-    if spec.endswith(".jsonl"):
-        rows = read_jsonl(spec)
-    else:
-        import datasets
-        if spec.endswith(".parquet"):
-            ds = datasets.load_dataset("parquet", data_files=spec)["train"]
-        else:
-            ds = datasets.load_dataset(spec, split="train")
-        rows = [(f"{spec}: row {i}", r) for i, r in enumerate(ds)]
-    seen, out = set(), []
-    for where, row in rows:
-        problem, answer = _problem_answer(row, where)
-        if problem not in seen:
-            seen.add(problem)
-            out.append((problem, answer))
-    return out
-
-
-def step_prompts(data, step, args, rank, world):
-    """This rank's share of step `step`'s prompts, mini-batch by mini-batch: mini-batch b is the same
-    block of prompts whatever the world size. The data is shuffled anew (seeded) every epoch."""
-    per_mb, n = args.prompts_per_step // args.minibatches, len(data)
-    first_epoch = step * args.prompts_per_step // n
-    last_epoch = ((step + 1) * args.prompts_per_step - 1) // n
-    orders = {e: torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 7919 + e))
-              for e in range(first_epoch, last_epoch + 1)}
-    out = []
-    for b in range(args.minibatches):
-        first = step * args.prompts_per_step + b * per_mb + rank * (per_mb // world)
-        for g in range(first, first + per_mb // world):
-            out.append((g, *data[int(orders[g // n][g % n])]))
-    return out
-
-
-def seed_of(*parts):
-    """A 62-bit seed for a tuple of integers (run seed, step, prompt...). Distinct tuples give unrelated
-    seeds, so the samples s + j of one request never share noise with another request's."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
-
-
-# ---- the process group ----------------------------------------------------------------------------------
-
-def init_distributed():
-    """torchrun's env, or a lone process as a world of one. Returns rank, world size, device, mesh.
-    On GPU, gloo carries the CPU tensors (counts, metrics) and NCCL the CUDA ones, with a timeout long
-    enough for a rank to wait out another's long rollout or checkpoint write. On one node the mesh is
-    1-D (FSDP over every rank); on several it is 2-D, (nodes, ranks per node): HSDP shards within a
-    node and replicates across nodes, so only the gradient all-reduce crosses the slower link."""
-    from torch.distributed.device_mesh import init_device_mesh
-    cuda = torch.cuda.is_available()
-    if not dist.is_initialized():
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timedelta(hours=2))
-        else:  # a plain `python stapo.py` (port 0: the OS picks a free one)
-            dist.init_process_group(backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1,
-                                    timeout=timedelta(hours=2))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    world = dist.get_world_size()
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if per_node == world:
-        return dist.get_rank(), world, device, init_device_mesh(device.type, (world,))
-    shape, names = (world // per_node, per_node), ("replicate", "shard")
-    return dist.get_rank(), world, device, init_device_mesh(device.type, shape, mesh_dim_names=names)
-
-
-def gather(obj):
-    """Every rank's obj, in rank order."""
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, obj)
-    return parts
-
-
-def all_reduce_numbers(*xs, op=dist.ReduceOp.SUM):
-    """A few numbers reduced over ranks (summed, or `op`): a CPU tensor, which gloo carries also on GPU."""
-    t = torch.tensor([float(x) for x in xs], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return t.tolist()
-
-
-def gather_cat(x):
-    """Concatenate a 1-D tensor of any length from every rank."""
-    return torch.cat(gather(x.cpu()))
-
-
-def require_shared(sees, out, what):
-    """Raise on every rank at once (no rank is left waiting in a collective) if one `sees` not."""
-    blind = [r for r, ok in enumerate(gather(bool(sees))) if not ok]
-    if blind:
-        raise RuntimeError(f"--out {out}: rank(s) {blind} {what}. On several nodes, --out must be "
-                           "a folder every node sees (a shared filesystem): each rank writes its "
-                           "shard of every checkpoint there, and --resume reads them all back")
-
-
-def check_shared_out(out, rank):
-    """Rank 0 writes a fresh token into --out; every rank must read it back."""
-    token, path = gather(os.urandom(8).hex())[0], os.path.join(out, ".run_token")
-    if rank == 0:
-        os.makedirs(out, exist_ok=True)
-        with open(path, "w") as f:
-            f.write(token)
-    dist.barrier()
-    sees = os.path.exists(path) and open(path).read() == token
-    require_shared(sees, out, "cannot see what rank 0 wrote there")
-
-
-def memory_peak():
-    """GiB, and reset: on CUDA torch's peak allocation (the trainer's tensors; vLLM's own pool aside),
-    on CPU the process's peak resident set (Linux), each since the previous call."""
-    if torch.cuda.is_available():
-        gb = torch.cuda.max_memory_allocated() / 2**30
-        torch.cuda.reset_peak_memory_stats()
-        return gb
-    with open("/proc/self/status") as f:
-        gb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the high-water mark starts again from the resident set now
-    return gb
-
-
-# ---- the engines -----------------------------------------------------------------------------------------
 
 @dataclass
 class Sample:
@@ -280,7 +47,6 @@ class HFEngine:
     """Sampling on a private copy of the model, decoded by a short KV-cache loop of our own."""
 
     def __init__(self, model_path, device, dtype, eos_token_id):
-        from transformers import AutoModelForCausalLM
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
         eos = self.model.generation_config.eos_token_id  # may list several (Qwen3: <|im_end|>, <|endoftext|>)
         self.eos = {eos_token_id} | set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -292,7 +58,6 @@ class HFEngine:
         per-token bookkeeping costs more than this tiny model's forward). Sample j of the prompt seeded s
         draws its t-th token with the t-th uniform of its own generator seeded s + j (sample_token), so
         what it samples does not depend on what else is in the batch."""
-        from transformers import StaticCache
         rows = [p for p in prompts for _ in range(n)]
         if not rows:
             return []
@@ -420,6 +185,15 @@ class VLLMEngine:
         if self.can_sleep:
             self.llm.sleep(level=2)
             self.asleep = True
+
+
+def full_params(lm, dtype):
+    """(HF name, full tensor) per parameter, in the same order on every rank (a collective). Each
+    shard is cast to the engine's dtype before the all-gather: bf16 halves traffic and memory. A
+    tied lm_head goes under its own name too: vLLM reloads each layer from the names it receives."""
+    for name, p in lm.named_parameters(remove_duplicate=False):
+        p = p.detach().to(dtype)
+        yield name, p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def sampler_logprobs(samples, valid):

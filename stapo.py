@@ -8,9 +8,28 @@ no KL, no entropy bonus) plus the S2T mask, which silences the rare "spurious" t
 correct answers (A > 0) that the policy gave a low probability (p < tau_p) at a low-entropy
 position (H < tau_h).
 """
+import argparse
+import json
 import math
+import os
+import shutil
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from eval import evaluate_during_training, longest_prompt
+from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after
+from parallel import all_reduce_numbers, check_shared_out, gather, gather_cat, init_distributed, require_shared
+from problems import encode_problems, load_problems, probe_tokens, seed_of, step_prompts
+from reward import score_all
+from rollout import compute_dtype, full_params, make_engine, sampler_logprobs
 
 
 # ==== The algorithm: pure functions, torch only ===================================================
@@ -234,52 +253,81 @@ def token_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, chunk_si
 
 
 # ==== The trainer: torchrun stapo.py --model ... (also one CPU process, or several under gloo) ====
-import argparse, json, os, shutil, time  # noqa: E402
 
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.state_dict import (  # noqa: E402
-    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
-
-from rollout import (  # noqa: E402
-    PROBE, Reporter, all_reduce_numbers, append_jsonl, check_shared_out, drop_steps_after,
-    encode_problems, encode_prompt, gather, gather_cat, init_distributed, load_problems, memory_peak,
-    require_shared, sampler_logprobs, seed_of, step_prompts)
-
-# Every setting is a flag (--prompts-per-step 256 ...). The defaults are the paper's: JustRL's
-# recipe + S2T on Qwen3-8B-Base (README: The paper's settings). One line per part of the recipe.
-CONFIG = dict(
-    model="Qwen/Qwen3-8B-Base", dataset="BytedTsinghua-SIA/DAPO-Math-17k",    # policy, data
-    out="runs/stapo", method="stapo",                                         # where, objective
-    steps=1000, prompts_per_step=256, group_size=8, minibatches=4,            # batch shape
-    micro_tokens=16384,                                                       # tokens per forward
-    max_prompt_len=1024, max_response_len=15360, temperature=1.0, top_p=1.0,  # rollout
-    lr=1e-6, warmup_steps=10, weight_decay=0.1, grad_clip=1.0,                # AdamW
-    eps_low=0.2, eps_high=0.28,                                               # clip-higher
-    clip_c=10.0,                                                              # dual clip
-    tau_p=0.002, q=0.75,                                                      # S2T
-    rollout_is="none", rollout_is_cap=2.0, rollout_is_mode="truncate",         # not the paper's
-    engine="auto", gpu_memory_utilization=0.6, seed=0, dtype="auto",          # infrastructure
-    save_every=50, keep_ckpts=2, report_to="none",                            # checkpoints; W&B/TB
-    eval_every=0, eval_benchmarks="aime24,math500", eval_max_tokens=20480,    # evaluation
-    eval_samples=0, eval_data_dir="")                                         # 0 samples: paper's k
-CHOICES = {"method": ["stapo", "justrl", "grpo", "entropy20"],
-           "engine": ["auto", "vllm", "hf"],
-           "dtype": ["auto", "bf16", "fp32"],
-           "rollout_is": ["none", "token", "sequence"],
-           "rollout_is_mode": ["truncate", "mask"],
-           "report_to": ["none", "wandb", "tensorboard"]}
+# Every setting is a flag; `python stapo.py --help` lists them in four groups. Whose each default is:
+# (paper) STAPO's, (JustRL) the recipe STAPO builds on, (ours) this trainer's choice.
+FLAGS = {
+    "the paper's settings (README: The paper's settings)": [
+        ("method", "stapo", "the objective; the others are the paper's baselines (paper)",
+         ["stapo", "justrl", "grpo", "entropy20"]),
+        ("model", "Qwen/Qwen3-8B-Base", "the policy, a Hub id or a folder (paper: 1.7B, 8B, 14B Base)"),
+        ("dataset", "BytedTsinghua-SIA/DAPO-Math-17k", "a Hub id, .jsonl or .parquet (paper)"),
+        ("prompts_per_step", 256, "prompts per step (JustRL)"),
+        ("group_size", 8, "samples per prompt, G (JustRL)"),
+        ("minibatches", 4, "optimizer updates per step (JustRL)"),
+        ("max_prompt_len", 1024, "longer prompts are dropped (JustRL)"),
+        ("max_response_len", 15360, "the longest response, in tokens (JustRL)"),
+        ("temperature", 1.0, "sampling temperature; the loss divides logits by it too (JustRL)"),
+        ("top_p", 1.0, "sampling top-p (JustRL)"),
+        ("lr", 1e-6, "AdamW's learning rate, constant after the warm-up (JustRL)"),
+        ("warmup_steps", 10, "linear warm-up, in steps (JustRL)"),
+        ("weight_decay", 0.1, "AdamW's weight decay (JustRL)"),
+        ("grad_clip", 1.0, "the gradient norm's cap (JustRL)"),
+        ("eps_low", 0.2, "clip-higher's lower epsilon (JustRL)"),
+        ("eps_high", 0.28, "clip-higher's upper epsilon (JustRL)"),
+        ("clip_c", 10.0, "the dual clip's c, for A < 0 tokens (JustRL)"),
+        ("tau_p", 0.002, "S2T: a candidate's probability is below this (paper)"),
+        ("q", 0.75, "S2T: tau_h is this quantile of the candidates' entropies (paper)"),
+    ],
+    "the run": [
+        ("out", "runs/stapo", "the run's folder: config, metrics.jsonl, checkpoints, the model"),
+        ("steps", 1000, "steps to train (ours; the paper's curves run past 3,000)"),
+        ("seed", 0, "the run's seed: data order and every sample's seed"),
+        ("save_every", 50, "a checkpoint every N steps (0: none)"),
+        ("keep_ckpts", 2, "the newest N checkpoints are kept"),
+        ("report_to", "none", "also send each step's metrics to W&B or TensorBoard",
+         ["none", "wandb", "tensorboard"]),
+    ],
+    "engines and precision": [
+        ("engine", "auto", "the sampler: vLLM, or a transformers decode loop (auto: vLLM on CUDA)",
+         ["auto", "vllm", "hf"]),
+        ("dtype", "auto", "compute and engine dtype (auto: bf16 on CUDA, fp32 on CPU)",
+         ["auto", "bf16", "fp32"]),
+        ("micro_tokens", 16384, "padded tokens per forward and backward"),
+        ("gpu_memory_utilization", 0.6, "vLLM's share of the GPU while it samples"),
+    ],
+    "extras (not the paper's)": [
+        ("rollout_is", "none", "weigh tokens by pi_old / pi_sampler, per token or per response",
+         ["none", "token", "sequence"]),
+        ("rollout_is_cap", 2.0, "the rollout-IS weight's cap"),
+        ("rollout_is_mode", "truncate", "above the cap: truncate the weight, or mask the token",
+         ["truncate", "mask"]),
+        ("eval_every", 0, "evaluate every N steps (0: never)"),
+        ("eval_benchmarks", "aime24,math500", "comma list of eval.py's benchmarks"),
+        ("eval_max_tokens", 20480, "the evaluation's response limit"),
+        ("eval_samples", 0, "samples per problem (0: eval.py's k per benchmark)"),
+        ("eval_data_dir", "", "read <benchmark>.jsonl here instead of the Hub"),
+    ],
+}
+SWITCHES = {  # flags that take no value
+    "--resume": "continue from the newest checkpoint in --out (none: start fresh)",
+    "--log-silenced": "write every silenced token in its context to silenced.jsonl",
+    "--enable-thinking": "Qwen3's chat template in thinking mode",
+}
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description="STAPO trainer; the defaults are the paper's (README).")
-    for key, default in CONFIG.items():
-        flag = "--" + key.replace("_", "-")
-        p.add_argument(flag, type=type(default), default=default, choices=CHOICES.get(key))
-    for flag in ("--resume", "--log-silenced", "--enable-thinking"):
-        p.add_argument(flag, action="store_true")
-    p.add_argument("--no-chat-template", dest="chat_template", action="store_false")
+    p = argparse.ArgumentParser(description="The STAPO trainer (arXiv 2602.15620).")
+    for title, flags in FLAGS.items():
+        group = p.add_argument_group(title)
+        for key, default, text, *choices in flags:
+            group.add_argument("--" + key.replace("_", "-"), type=type(default), default=default,
+                               choices=choices[0] if choices else None, help=f"{text}; default {default}")
+    run = p.add_argument_group("switches")
+    for flag, text in SWITCHES.items():
+        run.add_argument(flag, action="store_true", help=text)
+    run.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                     help="the prompt as plain text, not a user turn of the chat template")
     return p.parse_args(argv)
 
 
@@ -320,7 +368,6 @@ def build_policy(path, mesh, device, dtype=torch.float32):
     dtype (--dtype bf16: bf16 forward and backward, gradients reduced in fp32). Every rank builds
     the model on the meta device; only rank 0 reads the checkpoint into host memory, and the shards
     are filled by broadcast from it (8 ranks do not hold 8 full copies)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(path)
     export_dtype = getattr(config, "dtype", None) or torch.float32  # save_hf exports this dtype
     with torch.device("meta"):
@@ -346,14 +393,7 @@ def build_policy(path, mesh, device, dtype=torch.float32):
     return policy.train()
 
 
-def full_params(policy, dtype):
-    """(HF name, full tensor) per parameter, in the same order on every rank (a collective). Each
-    shard is cast to the engine's dtype before the all-gather: bf16 halves traffic and memory. A
-    tied lm_head goes under its own name too: vLLM reloads each layer from the names it receives."""
-    for name, p in policy.lm.named_parameters(remove_duplicate=False):
-        p = p.detach().to(dtype)
-        yield name, p.full_tensor() if hasattr(p, "full_tensor") else p
-
+# ---- the policy's passes over a batch ------------------------------------------------------------
 
 def micro_batches(rows, idx, budget):
     """Split sample indices into micro-batches of at most `budget` padded tokens, shortest samples
@@ -372,9 +412,10 @@ def micro_batches(rows, idx, budget):
     return out + [None] * (count - len(out))
 
 
-def forward(policy, rows, idx, valid, temperature, device):
-    """log p [len(idx), R] of the response tokens of samples idx (zero outside `valid`), and the
-    head's statistics [len(idx), R, 3]: H, sum pi^2, sum pi^2 log pi."""
+def response_logprobs(policy, rows, idx, valid, temperature):
+    """The policy's one forward path: log p [len(idx), R] of the response tokens of samples idx
+    (zero outside `valid`), with the graph, and the head's statistics [len(idx), R, 3]."""
+    device = valid.device
     seqs = [rows[i][0] + rows[i][1] for i in idx]
     ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
     response = torch.zeros_like(ids, dtype=torch.bool)
@@ -389,29 +430,42 @@ def forward(policy, rows, idx, valid, temperature, device):
 
 
 @torch.no_grad()
-def no_grad_pass(policy, rows, idx, valid, args, device):
-    """forward() of samples idx under the current policy, in the micro-batches update() runs them
+def measure(policy, rows, idx, valid, args):
+    """response_logprobs of mini-batch idx without a graph, in the micro-batches update() runs it
     in: the same shapes, so the same numbers for the same weights."""
-    logp = torch.zeros(len(idx), valid.shape[1], device=device)
-    stats = torch.zeros(len(idx), valid.shape[1], 3, device=device)
+    logp = torch.zeros(len(idx), valid.shape[1], device=valid.device)
+    stats = torch.zeros(len(idx), valid.shape[1], 3, device=valid.device)
     at = {i: k for k, i in enumerate(idx)}
     for mb in micro_batches(rows, idx, args.micro_tokens):
-        out = forward(policy, rows, mb or idx[:1], valid, args.temperature, device)
+        out = response_logprobs(policy, rows, mb or idx[:1], valid, args.temperature)
         if mb:
             logp[[at[i] for i in mb]], stats[[at[i] for i in mb]] = out
     return logp, stats
 
 
-def current_pass(policy, rows, idx, valid, args, device):
-    """forward() of mini-batch idx (sorted by length) under the current policy: the S2T statistics.
-    If the mini-batch is one micro-batch on every rank, this is the update's own forward with its
-    graph kept (log p carries the gradient; update() runs no second forward); else no-grad."""
-    if len(micro_batches(rows, idx, args.micro_tokens)) == 1:
-        return forward(policy, rows, idx, valid, args.temperature, device)
-    return no_grad_pass(policy, rows, idx, valid, args, device)
-
-
 # ---- one step ------------------------------------------------------------------------------------
+
+@dataclass
+class Batch:
+    """One step's samples on this rank, as the trainer holds them: [N, R] tensors over the responses."""
+    rows: list                  # (prompt ids, response ids) of each sample
+    valid: torch.Tensor         # [N, R] bool: a response token, not padding
+    adv: torch.Tensor           # [N] the group advantage of each sample
+    sampler: torch.Tensor       # [N, R] the sampler's log p of each token (vLLM), or None
+    old_logp: torch.Tensor      # [N, R] log p under the policy that sampled (step 4 fills it)
+    old_stats: torch.Tensor     # [N, R, 3] the head's statistics there: H, sum pi^2, sum pi^2 log pi
+
+
+def make_batch(prompts, groups, adv, device):
+    """The step's samples, padded to the longest response."""
+    samples = [s for group in groups for s in group]
+    rows = [(p, s.tokens) for (_, p, _), group in zip(prompts, groups) for s in group]
+    lengths = torch.tensor([len(s.tokens) for s in samples])
+    valid = (torch.arange(max(1, int(lengths.max()))) < lengths[:, None]).to(device)
+    old = torch.zeros(valid.shape, device=device)
+    stats = torch.zeros(*valid.shape, 3, device=device)
+    return Batch(rows, valid, adv.to(device), sampler_logprobs(samples, valid), old, stats)
+
 
 def spurious_tokens(logp, ent, adv, valid, args):
     """S2T on a mini-batch, with one tau_h over the candidates of all ranks. Computed under every
@@ -421,7 +475,8 @@ def spurious_tokens(logp, ent, adv, valid, args):
     tau_h = s2t_threshold(pooled, args.q)
     silenced = s2t_mask(logp, ent, adv, valid, args.tau_p, args.q, tau_h)  # none pooled: none here
     tau_h = None if tau_h is None else float(tau_h)
-    return {"candidates": candidates, "silenced": silenced, "pooled": len(pooled), "tau_h": tau_h}
+    return {"candidates": candidates, "silenced": silenced, "pooled": len(pooled), "tau_h": tau_h,
+            "logp": logp, "entropy": ent}
 
 
 def token_weights(method, ent, valid, s2t):
@@ -439,32 +494,125 @@ def token_weights(method, ent, valid, s2t):
     return keep, all_reduce_numbers(keep.sum())[0]
 
 
-def update(policy, opt, rows, idx, keep, denom, logp, old_logp, adv, valid, args, device, metrics):
-    """One optimizer step on mini-batch idx. FSDP2 reduce-scatters the gradients after every
+def clip_settings(args):
+    """(eps_low, eps_high, clip_c) of the objective: GRPO clips symmetrically, with no dual clip."""
+    if args.method == "grpo":
+        return args.eps_low, args.eps_low, None
+    return args.eps_low, args.eps_high, args.clip_c
+
+
+@dataclass
+class MiniBatch:
+    idx: list                   # its samples (rows of the Batch), shortest first
+    keep: torch.Tensor          # [n, R] each token's weight in the loss (0: padded or silenced)
+    denom: float                # the kept count over all ranks: the loss's denominator
+
+
+def update(policy, opt, batch, mb, args, record):
+    """One optimizer step on a mini-batch. FSDP2 reduce-scatters the gradients after every
     micro-batch, so no rank ever holds an unsharded gradient of the whole model."""
-    eps_high, clip_c = args.eps_high, args.clip_c
-    if args.method == "grpo":  # GRPO: a symmetric clip, no dual clip
-        eps_high, clip_c = args.eps_low, None
-    keep_all = torch.zeros(valid.shape, dtype=keep.dtype, device=device)
-    keep_all[idx] = keep
-    kept_graph = logp.requires_grad  # current_pass kept its graph (one micro-batch)
-    for mb in [idx] if kept_graph else micro_batches(rows, idx, args.micro_tokens):
-        sel = mb or idx[:1]  # an empty micro-batch runs one sample at zero weight
-        mb_keep = keep_all[sel] * bool(mb)
-        mb_logp = logp if kept_graph else forward(policy, rows, sel, valid, args.temperature, device)[0]
-        loss, st = stapo_loss(mb_logp, old_logp[sel], adv[sel], mb_keep, denom,
-                              args.eps_low, eps_high, clip_c)
+    keep = torch.zeros(batch.valid.shape, dtype=mb.keep.dtype, device=batch.valid.device)
+    keep[mb.idx] = mb.keep
+    for micro in micro_batches(batch.rows, mb.idx, args.micro_tokens):
+        sel = micro or mb.idx[:1]  # an empty micro-batch runs one sample at zero weight
+        logp, _ = response_logprobs(policy, batch.rows, sel, batch.valid, args.temperature)
+        loss, st = stapo_loss(logp, batch.old_logp[sel], batch.adv[sel], keep[sel] * bool(micro), mb.denom,
+                              *clip_settings(args))
         (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is global
-        metrics.loss_stats(st)
-    metrics.peak("backward")
+        record.loss_stats(st)
+    record.peak("backward")
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    metrics.peak("optimizer")
+    record.peak("optimizer")
     return float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
 
 
-# The sync's self-check: mean and largest |engine log p - trainer log p| over rollout.PROBE's tokens.
+def train_minibatch(policy, opt, batch, idx, first, args, record):
+    """Step 5 on one mini-batch: p and H under the policy as it is now, S2T, the loss, a step."""
+    if first:  # no update yet: the current policy is the old one
+        logp, stats = batch.old_logp[idx], batch.old_stats[idx]
+    else:
+        logp, stats = measure(policy, batch.rows, idx, batch.valid, args)
+    record.peak("forward")
+    s2t = spurious_tokens(logp, stats[..., 0], batch.adv[idx], batch.valid[idx], args)
+    keep, denom = token_weights(args.method, stats[..., 0], batch.valid[idx], s2t)
+    if args.rollout_is != "none":  # the mismatch's weights multiply the kept tokens' losses
+        w, rho = rollout_is_weights(batch.old_logp[idx], batch.sampler[idx], batch.valid[idx],
+                                    args.rollout_is, args.rollout_is_cap, args.rollout_is_mode)
+        keep = keep * w
+        record.importance(rho if args.rollout_is == "sequence" else rho[batch.valid[idx]])
+    analyse(logp, stats, batch, idx, s2t, args, record)
+    grad_norm = update(policy, opt, batch, MiniBatch(idx, keep, denom), args, record)
+    record.minibatch(args.method, s2t, grad_norm, batch.rows, idx)
+
+
+def analyse(logp, stats, batch, idx, s2t, args, record):
+    """The paper's token-level view of a mini-batch: each token's logit-gradient norm and entropy
+    change, for StepMetrics.analysis to sum by group."""
+    ent, collision, pi2_log_pi = stats.unbind(-1)
+    weight = (logp - batch.old_logp[idx]).exp() * batch.adv[idx, None]  # ratio * A
+    norm = logit_gradient_norm(logp, collision, weight, args.temperature)
+    change = entropy_change(logp, ent, collision, pi2_log_pi, weight)
+    cut = float(quantile(gather_cat(ent[batch.valid[idx]]), 0.5))
+    adv = batch.adv[idx, None].expand_as(logp)
+    record.analysis((logp.exp() < args.tau_p, adv, ent, batch.valid[idx], norm, change), s2t, cut)
+
+
+def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
+    """One step of the paper's loop (Algorithm 1) on this rank's prompts: (metrics, silenced)."""
+    G, record = args.group_size, StepMetrics(step, tok if args.log_silenced else None)
+
+    # 1. Rollout: G samples per prompt from the engine (the policy as of the last sync), each seeded
+    seeds = [seed_of(args.seed, step, g) for g, _, _ in prompts]
+    groups = engine.generate([p for _, p, _ in prompts], G, args.temperature, args.top_p,
+                             args.max_response_len, seeds)
+    engine.sleep()
+
+    # 2. Reward: +1 if the last \boxed{} is equivalent to the gold, else -1
+    texts = tok.batch_decode([s.tokens for group in groups for s in group], skip_special_tokens=True)
+    rewards = torch.tensor(score_all(texts, [a for _, _, a in prompts for _ in range(G)]))
+
+    # 3. Advantages: normalised within each group of G
+    batch = make_batch(prompts, groups, group_advantages(rewards, G), device)
+    record.rollout([s for g in groups for s in g], batch.rows, rewards, G)
+
+    # 4. The old policy: log p of every sampled token before any update, each mini-batch in the
+    #    micro-batches its update will use (same shapes: an unchanged policy gives ratio 1 exactly)
+    blocks = minibatches(batch.rows, args.minibatches)
+    for idx in blocks:
+        batch.old_logp[idx], batch.old_stats[idx] = measure(policy, batch.rows, idx, batch.valid, args)
+    record.old_policy(batch)
+
+    # 5. Mini-batch updates: S2T on the current policy's p and H, the loss, an optimizer step each
+    lr = set_lr(opt, args, step)
+    for b, idx in enumerate(blocks):
+        train_minibatch(policy, opt, batch, idx, b == 0, args, record)
+
+    # 6. Sync the engine to the new policy, and prove it
+    probe_gap = sync_engine(engine, policy, probe, device)
+    record.peak("sync")
+    return record.finish(lr, probe_gap, G)
+
+
+def minibatches(rows, count):
+    """The step's samples in `count` mini-batches of consecutive prompts, each sorted by length."""
+    per = len(rows) // count
+    by_length = lambda i: len(rows[i][0]) + len(rows[i][1])  # noqa: E731
+    return [sorted(range(b * per, (b + 1) * per), key=by_length) for b in range(count)]
+
+
+def set_lr(opt, args, step):
+    """A linear warm-up over --warmup-steps, then constant; returns the step's lr."""
+    lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup_steps))
+    for group in opt.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+# ---- the weight sync -----------------------------------------------------------------------------
+
+# The sync's self-check: mean and largest |engine log p - trainer log p| over problems.PROBE's tokens.
 # bf16: measured on vLLM's CPU build, set against published GPU gaps (docs/training.md: the self-check).
 SYNC_TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (0.1, 2.0)}
 
@@ -475,10 +623,10 @@ def sync_engine(engine, policy, probe, device):
     does: its log-probs of a fixed probe sequence must match the trainer's (a stale, partial or
     mis-mapped sync fails here, even a copy the engine reads back right but never samples with).
     Returns the gaps' mean and max."""
-    engine.load_weights(full_params(policy, engine.dtype))
+    engine.load_weights(full_params(policy.lm, engine.dtype))
     rows = [(probe[:1], probe[1:])]
     valid = torch.ones(1, len(probe) - 1, dtype=torch.bool, device=device)
-    want, _ = forward(policy, rows, [0], valid, 1.0, device)
+    want, _ = response_logprobs(policy, rows, [0], valid, 1.0)
     policy.reshard()  # the root (embeddings, lm_head) would stay gathered through the rollout
     gap = (torch.tensor(engine.logprobs_of(probe), device=device) - want[0]).abs()
     mean, top = float(gap.mean()), float(gap.max())
@@ -488,219 +636,6 @@ def sync_engine(engine, policy, probe, device):
                            f"the trainer's by {mean:.3g} on average, {top:.3g} at most; the "
                            f"tolerance is {tolerance} (a stale, partial or mis-mapped sync)")
     return mean, top
-
-
-GROUPS = [f"{p}P_{a}A_{h}H" for p in ("low", "high") for a in ("pos", "neg") for h in ("low", "high")]
-SHARES = ("silenced", "candidates_kept", "rest")
-SUMS = ("samples", "correct", "reward", "flat_groups", "tokens", "valid", "entropy", "truncated",
-        "gap_n", "gap", "silenced", "kept", "clip_low", "clip_high", "is_n", "is_sum",
-        *[f"g2/{k}" for k in SHARES], *[f"{g}/{k}" for g in GROUPS for k in ("n", "norm", "dH")])
-
-
-class StepMetrics:
-    """One step's bookkeeping. Per-rank counts are summed over ranks once, in finish(); the S2T
-    numbers and grad norms are already global (the same on every rank) and are kept as they are."""
-
-    def __init__(self):
-        self.sums = dict.fromkeys(SUMS, 0.0)
-        self.candidates, self.tau_h, self.grad_norm, self.entropy_cut = 0, [], [], []
-        self.is_min, self.is_max, self.peaks = float("inf"), float("-inf"), {}
-        self.t0 = time.time()
-
-    def add(self, **counts):
-        for key, value in counts.items():
-            self.sums[key] += float(value)
-
-    def peak(self, phase):
-        """The memory high-water mark of a phase of the step (rollout, forward, backward...). The first,
-        rollout, runs from the previous step's sync (or the start): logging, checkpoints, eval included."""
-        self.peaks[phase] = max(self.peaks.get(phase, 0.0), memory_peak())
-
-    def rollout(self, samples, rows, rewards, group_size):
-        self.add(samples=len(samples), correct=(rewards > 0).sum(), reward=rewards.sum(),
-                 flat_groups=(rewards.view(-1, group_size).std(1) == 0).sum(),
-                 tokens=sum(len(p) + len(r) for p, r in rows),
-                 truncated=sum(s.finish_reason == "length" for s in samples))
-        self.longest = max(len(s.tokens) for s in samples)
-        self.t_rollout = time.time() - self.t0
-
-    def old_policy(self, sampler, old_logp, old_ent, valid):
-        """The old policy's entropy; |sampler log p - trainer log p| (it jumps if a sync breaks)."""
-        gap = torch.zeros(0) if sampler is None else (sampler - old_logp)[valid].abs()
-        self.add(valid=valid.sum(), entropy=old_ent[valid].sum())
-        self.add(gap_n=gap.numel(), gap=gap.sum())
-        self.gap_max = float(gap.max()) if gap.numel() else 0.0
-
-    def importance(self, rho):
-        """--rollout-is: the ratios pi_old / pi_sampler (per token, or per response)."""
-        self.add(is_n=rho.numel(), is_sum=rho.sum())
-        self.is_min = min(self.is_min, float(rho.min()))
-        self.is_max = max(self.is_max, float(rho.max()))
-
-    def loss_stats(self, st):
-        """stapo_loss's clip fractions, as counts (a rank's micro-batches differ in size)."""
-        kept = st["kept"]
-        self.add(kept=kept, clip_low=st["clip_low"] * kept, clip_high=st["clip_high"] * kept)
-
-    def minibatch(self, method, s2t, grad_norm):
-        self.grad_norm.append(grad_norm)
-        self.add(silenced=s2t["silenced"].sum() if method == "stapo" else 0)
-        self.candidates += s2t["pooled"]
-        self.tau_h += [s2t["tau_h"]] if s2t["tau_h"] is not None else []
-
-    def analysis(self, logp, stats, weight, adv, valid, s2t, args):
-        """The paper's token-level view of a mini-batch, as sums over this rank's tokens: the share
-        of sum ||grad_a||^2 held by S2T's silenced tokens (under another objective: those STAPO
-        would silence), by its other candidates, and by the rest; and the eight groups, p (vs
-        tau_p) x sign A x H (vs the mini-batch's median H on all ranks)."""
-        ent, collision, pi2_log_pi = stats.unbind(-1)
-        norm = logit_gradient_norm(logp, collision, weight, args.temperature)
-        change = entropy_change(logp, ent, collision, pi2_log_pi, weight)
-        parts = [s2t["silenced"], s2t["candidates"] & ~s2t["silenced"], valid & ~s2t["candidates"]]
-        self.add(**{f"g2/{k}": norm[m].square().sum() for k, m in zip(SHARES, parts)})
-        cut = float(quantile(gather_cat(ent[valid]), 0.5))
-        self.entropy_cut.append(cut)
-        low_p, low_h, a = logp.exp() < args.tau_p, ent < cut, adv[:, None].expand_as(logp)
-        masks = [p & s & h for p in (low_p, ~low_p) for s in (a > 0, a < 0) for h in (low_h, ~low_h)]
-        for g, m in zip(GROUPS, masks):
-            m = m & valid
-            self.add(**{f"{g}/n": m.sum(), f"{g}/norm": norm[m].sum(), f"{g}/dH": change[m].sum()})
-
-    def finish(self, step, lr, probe_gap, group_size):
-        n = dict(zip(SUMS, all_reduce_numbers(*self.sums.values())))
-        longest, gap_max, is_max = all_reduce_numbers(self.longest, self.gap_max, self.is_max,
-                                                      op=dist.ReduceOp.MAX)
-        is_min = all_reduce_numbers(self.is_min, op=dist.ReduceOp.MIN)[0]
-        peaks = all_reduce_numbers(*self.peaks.values(), op=dist.ReduceOp.MAX)
-        step_s = time.time() - self.t0
-        out = {
-            "step": step + 1,
-            "reward_mean": n["reward"] / n["samples"],
-            "accuracy": n["correct"] / n["samples"],
-            "zero_variance_groups": n["flat_groups"] * group_size / n["samples"],
-            "response_len_mean": n["valid"] / n["samples"],
-            "response_len_max": int(longest),
-            "truncated": n["truncated"] / n["samples"],
-            "entropy_mean": n["entropy"] / max(n["valid"], 1),
-            "silenced_frac": n["silenced"] / max(n["valid"], 1),
-            "candidates": self.candidates,
-            "tau_h": sum(self.tau_h) / len(self.tau_h) if self.tau_h else None,
-            "clip_low": n["clip_low"] / max(n["kept"], 1),
-            "clip_high": n["clip_high"] / max(n["kept"], 1),
-            "grad_norm": sum(self.grad_norm) / len(self.grad_norm),
-            "lr": lr,
-            "logprob_gap_mean": n["gap"] / n["gap_n"] if n["gap_n"] else None,
-            "logprob_gap_max": gap_max if n["gap_n"] else None,
-            "sync_probe_gap_mean": probe_gap[0],
-            "sync_probe_gap": probe_gap[1],
-            "rollout_s": self.t_rollout,
-            "train_s": step_s - self.t_rollout,
-            "step_s": step_s,
-            "tokens_per_s": n["tokens"] / step_s,
-        }
-        if n["is_n"]:
-            out.update({"rollout_is_min": is_min, "rollout_is_mean": n["is_sum"] / n["is_n"],
-                        "rollout_is_max": is_max})
-        total = sum(n[f"g2/{k}"] for k in SHARES)
-        out.update({f"grad_share/{k}": n[f"g2/{k}"] / total if total else None for k in SHARES})
-        out["entropy_cut"] = sum(self.entropy_cut) / len(self.entropy_cut)
-        out.update({f"peak_gb/{phase}": gb for phase, gb in zip(self.peaks, peaks)})
-        tokens = sum(n[f"{g}/n"] for g in GROUPS)
-        for g in GROUPS:
-            k = n[f"{g}/n"]
-            out[f"taxonomy/{g}/tokens"] = k / tokens if tokens else 0.0
-            out[f"taxonomy/{g}/grad_norm"] = n[f"{g}/norm"] / k if k else None
-            out[f"taxonomy/{g}/dH"] = n[f"{g}/dH"] / k if k else None
-        return out
-
-
-def silenced_records(step, tok, rows, idx, silenced, logp, ent):
-    """One record per silenced token: the token, its p and H, and 40 characters either side."""
-    records = []
-    for i, t in silenced.nonzero().tolist():
-        response = rows[idx[i]][1]
-        records.append({
-            "step": step + 1,
-            "token": tok.decode(response[t:t + 1]),
-            "p": logp[i, t].exp().item(),
-            "H": ent[i, t].item(),
-            "left": tok.decode(response[:t])[-40:],
-            "right": tok.decode(response[t + 1:])[:40],
-        })
-    return records
-
-
-def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
-    """One step of the paper's loop (Algorithm 1) on this rank's prompts: (metrics, silenced)."""
-    from reward import score_all
-    G, metrics = args.group_size, StepMetrics()
-
-    # 1. Rollout: G samples per prompt from the engine (the policy as of the last sync), each seeded
-    prompt_ids = [p for _, p, _ in prompts]
-    seeds = [seed_of(args.seed, step, g) for g, _, _ in prompts]
-    groups = engine.generate(prompt_ids, G, args.temperature, args.top_p, args.max_response_len, seeds)
-    engine.sleep()
-    samples = [s for group in groups for s in group]
-    rows = [(p, s.tokens) for (_, p, _), group in zip(prompts, groups) for s in group]
-    lengths = torch.tensor([len(s.tokens) for s in samples])
-    valid = (torch.arange(max(1, int(lengths.max()))) < lengths[:, None]).to(device)
-    sampler = sampler_logprobs(samples, valid)
-    if args.rollout_is != "none" and sampler is None:
-        raise ValueError("--rollout-is needs the sampler's log-probs, which --engine vllm reports")
-
-    # 2. Reward: +1 if the last \boxed{} is equivalent to the gold, else -1
-    texts = tok.batch_decode([s.tokens for s in samples], skip_special_tokens=True)
-    rewards = torch.tensor(score_all(texts, [a for _, _, a in prompts for _ in range(G)]))
-
-    # 3. Advantages: normalised within each group of G
-    adv = group_advantages(rewards, G).to(device)
-
-    metrics.rollout(samples, rows, rewards, G)
-    metrics.peak("rollout")
-
-    # 4. The old policy: log p of every sampled token before any update, each mini-batch in the
-    #    micro-batches its update will use (same shapes: an unchanged policy gives ratio 1 exactly).
-    #    Mini-batch 0 needs no pass of its own: its current pass in step 5 is the old one
-    per = len(rows) // args.minibatches
-    by_length = lambda i: len(rows[i][0]) + len(rows[i][1])  # noqa: E731
-    blocks = [sorted(range(b * per, (b + 1) * per), key=by_length) for b in range(args.minibatches)]
-    old_logp, old_ent = torch.zeros(valid.shape, device=device), torch.zeros(valid.shape, device=device)
-    for idx in blocks[1:]:
-        old_logp[idx], stats = no_grad_pass(policy, rows, idx, valid, args, device)
-        old_ent[idx] = stats[..., 0]
-    metrics.peak("old_policy")
-
-    # 5. Mini-batch updates: S2T statistics (p, H of the current policy), the mask, the loss, a step
-    lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup_steps))
-    for group in opt.param_groups:
-        group["lr"] = lr
-    silenced_log = []
-    for b, idx in enumerate(blocks):
-        logp, stats = current_pass(policy, rows, idx, valid, args, device)
-        metrics.peak("forward")
-        if b == 0:
-            old_logp[idx], old_ent[idx] = logp.detach(), stats[..., 0]
-        current, ent = logp.detach(), stats[..., 0]
-        s2t = spurious_tokens(current, ent, adv[idx], valid[idx], args)
-        keep, denom = token_weights(args.method, ent, valid[idx], s2t)
-        if args.rollout_is != "none":  # the mismatch's weights multiply the kept tokens' losses
-            w, rho = rollout_is_weights(old_logp[idx], sampler[idx], valid[idx], args.rollout_is,
-                                        args.rollout_is_cap, args.rollout_is_mode)
-            keep = keep * w
-            metrics.importance(rho if args.rollout_is == "sequence" else rho[valid[idx]])
-        weight = (current - old_logp[idx]).exp() * adv[idx, None]  # ratio * A
-        metrics.analysis(current, stats, weight, adv[idx], valid[idx], s2t, args)
-        grad_norm = update(policy, opt, rows, idx, keep, denom, logp, old_logp, adv, valid,
-                           args, device, metrics)
-        metrics.minibatch(args.method, s2t, grad_norm)
-        if args.log_silenced and args.method == "stapo":
-            silenced_log += silenced_records(step, tok, rows, idx, s2t["silenced"], current, ent)
-    metrics.old_policy(sampler, old_logp, old_ent, valid)
-
-    # 6. Sync the engine to the new policy, and prove it
-    probe_gap = sync_engine(engine, policy, probe, device)
-    metrics.peak("sync")
-    return metrics.finish(step, lr, probe_gap, G), silenced_log
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
@@ -769,10 +704,8 @@ def context_length(args, tok):
     """The engine's context: a training prompt and response, and with --eval-every the longest
     eval prompt and --eval-max-tokens (vLLM would silently stop an answer at its context); a
     length beyond the model's own positions is refused."""
-    from transformers import AutoConfig
     need = {"--max-prompt-len + --max-response-len": args.max_prompt_len + args.max_response_len}
     if args.eval_every:
-        from eval import longest_prompt
         need["the longest eval prompt + --eval-max-tokens"] = longest_prompt(tok, args) + args.eval_max_tokens
     limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
     for what, n in need.items():
@@ -782,9 +715,6 @@ def context_length(args, tok):
 
 
 def train(args):
-    from tqdm import tqdm
-    from transformers import AutoTokenizer
-    from rollout import compute_dtype, make_engine
     rank, world, device, mesh = init_distributed()
     if args.prompts_per_step % (args.minibatches * world):
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must split evenly into "
@@ -794,8 +724,7 @@ def train(args):
     problems = load_problems(args.dataset)
     data = encode_problems(tok, problems, args.max_prompt_len, args.chat_template, args.enable_thinking)
     context, dtype = context_length(args, tok), compute_dtype(args.dtype, device)
-    probe = encode_prompt(tok, PROBE[0], args.chat_template)  # the sync's self-check
-    probe = (probe + tok.encode(PROBE[1], add_special_tokens=False))[:context - 1]
+    probe = probe_tokens(tok, context - 1, args.chat_template)  # the sync's self-check
     policy = build_policy(args.model, mesh, device, dtype)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=True)
     start = load_checkpoint(policy, opt, args) if args.resume else 0
@@ -816,7 +745,6 @@ def train(args):
         prompts = step_prompts(data, step, args, rank, world)
         metrics, silenced = train_step(step, policy, opt, engine, tok, prompts, args, device, probe)
         if args.eval_every and (step + 1) % args.eval_every == 0:
-            from eval import evaluate_during_training
             metrics.update(evaluate_during_training(engine, tok, args, rank, world))
         silenced = sum(gather(silenced), [])
         if rank == 0:

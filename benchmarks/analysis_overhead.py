@@ -6,7 +6,7 @@ The head's forward (stapo._ChunkedHead) computes, per chunk of 128 tokens, log p
 two more sums for the analysis, sum pi^2 and sum pi^2 log pi: a square, a sum and a product-sum over the
 [chunk, V] buffer. This script times, in one process, (1) the shipped forward, (2) the same forward with the
 analysis's square and second product patched out (their two sums still run, so this understates the cost
-a little), and (3) StepMetrics.analysis on the batch (the groups and shares, one process); each the median
+a little), and (3) metrics.StepMetrics.analysis on the batch (the groups and shares, one process); each the median
 of 3 after a warm-up.
 """
 import os, statistics, sys, time
@@ -14,6 +14,8 @@ import os, statistics, sys, time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import parallel  # noqa: E402
+import metrics  # noqa: E402
 import stapo  # noqa: E402
 
 
@@ -45,7 +47,7 @@ def main():
         without = timed(lambda: stapo._ChunkedHead.apply(hidden, weight, tokens, 1.0, 128))
     finally:
         torch.Tensor.square_, torch.mul = square, mul
-    stapo.init_distributed()
+    parallel.init_distributed()
     logp, stats = stapo._ChunkedHead.apply(hidden, weight, tokens, 1.0, 128)
     rows = (8, 1024)
     logp, stats = logp.view(rows), stats.view(*rows, 3)
@@ -53,11 +55,11 @@ def main():
     args = stapo.get_args([])
     s2t = stapo.spurious_tokens(logp, stats[..., 0], adv, valid, args)
     weight_ = adv[:, None].expand(rows)
-    book = timed(lambda: stapo.StepMetrics().analysis(logp, stats, weight_, adv, valid, s2t, args))
+    book = timed(lambda: metrics.StepMetrics().analysis(logp, stats, weight_, adv, valid, s2t, args))
     print(f"{m} tokens, vocabulary {v}, hidden {d}, fp32, {torch.get_num_threads()} threads")
     print(f"head forward, as shipped: {full:.2f} s; without the analysis's two reductions: {without:.2f} s "
           f"(the analysis: +{100 * (full / without - 1):.1f}% of the forward)")
-    print(f"StepMetrics.analysis on the batch: {book * 1000:.1f} ms")
+    print(f"metrics.StepMetrics.analysis on the batch: {book * 1000:.1f} ms")
     torch.distributed.destroy_process_group()
 
 

@@ -2,14 +2,14 @@
 
     python benchmarks/sync_gaps.py            # vLLM's CPU build; about 3 minutes on 2 cores
 
-After each sync, stapo.sync_engine compares the engine's log-probs of a fixed probe (stapo.PROBE, a prompt
+After each sync, stapo.sync_engine compares the engine's log-probs of a fixed probe (problems.PROBE, a prompt
 and a worked answer, cut to the context) with the trainer's forward, and raises when the mean or the largest
 |gap| passes stapo.SYNC_TOLERANCE. This script measures, per token of the probe, |engine - trainer| for:
   good      the trainer's weights pushed as stapo.py does (after 0, 1, 2, 3 seeded moves of the weights)
   stale     the trainer moved (seeded noise, 2% of each weight's scale) and nothing reached the engine
   partial   the push stops before the final norm and the lm_head
   dummy     no push at all: vLLM's dummy weights
-  tied      a tied model whose lm_head is not sent under its own name (the sync before this release)
+  tied      a tied model whose lm_head is not sent under its own name
 on the toy's warm-started Qwen3 (hidden 128, 2 layers, V 300; untied and tied), one trainer process (FSDP2
 over one rank, bf16 or fp32 compute) and one colocated engine in the same dtype, as in training.
 Each row prints the per-token |gap| distribution: mean, median, 95th percentile, max, over the probe.
@@ -42,23 +42,27 @@ def moved(policy, seed):
 
 
 def gaps(engine, policy, probe, device, push):
+    import rollout
+    import problems
+    import parallel
     import stapo
-    push(stapo.full_params(policy, engine.dtype))
+    push(rollout.full_params(policy.lm, engine.dtype))
     rows, valid = [(probe[:1], probe[1:])], torch.ones(1, len(probe) - 1, dtype=torch.bool)
     with torch.no_grad():
-        want = stapo.forward(policy, rows, [0], valid, 1.0, device)[0][0]
+        want = stapo.response_logprobs(policy, rows, [0], valid, 1.0)[0][0]
     return (torch.tensor(engine.logprobs_of(probe)) - want).abs()
 
 
 def main(dtype_name, tied, out):
     import stapo
-    from rollout import VLLMEngine, encode_prompt
+    from problems import encode_prompt
+    from rollout import VLLMEngine
     folder = tempfile.mkdtemp()
     tok = build(folder, tied)
-    rank, world, device, mesh = stapo.init_distributed()
+    rank, world, device, mesh = parallel.init_distributed()
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     context = 256
-    probe = (encode_prompt(tok, stapo.PROBE[0]) + tok.encode(stapo.PROBE[1], add_special_tokens=False))[:context - 1]
+    probe = (encode_prompt(tok, problems.PROBE[0]) + tok.encode(problems.PROBE[1], add_special_tokens=False))[:context - 1]
     policy = stapo.build_policy(folder, mesh, device, dtype)
     engine = VLLMEngine(folder, tok, context, 0.5, for_training=True, dtype=dtype)
     real, rows = engine.load_weights, {}

@@ -6,7 +6,7 @@
 
 1. Builds a BPE tokenizer (with a chat template) and a 2-layer Qwen3 from scratch: no downloads.
 2. Warm-starts it with a short supervised phase, stopped early: it learns the `\\boxed{n}` format and a
-   first, partial sense of the sums (about a quarter of the held-out problems right).
+   first, partial sense of the sums (about a third of the held-out problems right).
 3. Runs the real trainer (stapo.train, imported, not copied) on 80 of the 100 problems "What is a + b?".
 4. Prints greedy accuracy on the 20 held-out problems before and after: `toy: accuracy A -> B`.
 The trained model lands in <out>/rl/model, loadable by transformers and eval.py. With --method all, each
@@ -25,7 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import curves  # noqa: E402
 import stapo  # noqa: E402
-from rollout import SUFFIX, HFEngine  # noqa: E402
+from problems import SUFFIX, encode_prompt  # noqa: E402
+from reward import score  # noqa: E402
+from rollout import HFEngine  # noqa: E402
 
 METHODS = ["stapo", "justrl", "grpo", "entropy20"]
 
@@ -91,7 +93,7 @@ def warm_start(model, tok, rows, steps=200, lr=3e-3, hard=False):
     for _ in range(steps):
         ids, labels = [], []
         for r in rng.sample(rows, 16):
-            prompt = stapo.encode_prompt(tok, r["problem"])
+            prompt = encode_prompt(tok, r["problem"])
             answer = tok(target(r, hard) + "<|im_end|>", add_special_tokens=False)["input_ids"]
             ids.append(prompt + answer)
             labels.append([-100] * len(prompt) + answer)
@@ -107,9 +109,8 @@ def warm_start(model, tok, rows, steps=200, lr=3e-3, hard=False):
 
 def greedy_accuracy(model_path, tok, rows, max_tokens):
     engine = HFEngine(model_path, torch.device("cpu"), torch.float32, tok.eos_token_id)
-    prompts = [stapo.encode_prompt(tok, r["problem"]) for r in rows]
+    prompts = [encode_prompt(tok, r["problem"]) for r in rows]
     outs = engine.generate(prompts, 1, 0.0, 1.0, max_tokens, [0] * len(rows))
-    from reward import score
     return sum(score(tok.decode(o[0].tokens), r["answer"]) > 0 for o, r in zip(outs, rows)) / len(rows)
 
 

@@ -2,6 +2,7 @@
 (detached inputs, gradient accumulation, data-parallel scaling under a gradient-averaging wrapper)."""
 import os, subprocess, sys
 
+import pytest
 import torch
 
 import contract_ddp
@@ -47,6 +48,7 @@ def test_accumulation_passes_the_steps_count_to_every_micro_batch():
     torch.testing.assert_close(accumulated(keep.sum(), divide=2)[1], want / 2)
 
 
+@pytest.mark.slow
 def test_ddp_averaging_needs_num_tokens_over_the_world_size(tmp_path):
     """Two processes under DDP (torchrun, gloo), which averages gradients: num_tokens = global kept / W, or
     the loss times W, gives the one-process gradient of the whole batch (with one tau_h over both ranks);

@@ -7,8 +7,10 @@ import sys
 import pytest
 
 import eval as ev
+import problems
+import metrics
 import stapo
-from rollout import seed_of
+from problems import seed_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "..", "shared", "data", "benchmarks")
@@ -191,7 +193,7 @@ def test_eval_during_training_gets_the_context_it_asks_for(tiny, tmp_path, monke
             "--prompts-per-step", "4", "--minibatches", "1", "--max-prompt-len", "64", "--max-response-len", "6",
             "--eval-every", "1", "--eval-benchmarks", "aime24,math500", "--eval-data-dir", str(data)]
     longest = ev.longest_prompt(tok, stapo.get_args(argv))
-    assert longest == max(len(stapo.encode_prompt(tok, r["problem"])) for n in ("aime24", "math500")
+    assert longest == max(len(problems.encode_prompt(tok, r["problem"])) for n in ("aime24", "math500")
                           for r in ev.load_benchmark(n, str(data)))
     seen = []
 

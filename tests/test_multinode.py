@@ -3,6 +3,8 @@
 checkpoints and resumes; separate --out folders (node-local disks) fail at once, on every rank, never hang."""
 import json
 import os
+
+import pytest
 import socket
 import subprocess
 import sys
@@ -11,6 +13,8 @@ import time
 from test_trainer import args_for, assert_same_metrics, assert_same_params, load_params, metrics_of
 
 import stapo
+
+pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves these out
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,10 +1,14 @@
 """The CPU toy learns: a shortened run of examples/toy.py (120 of its 600 steps)."""
 import os
+
+import pytest
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import toy  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves these out
 
 
 def test_toy_learns_in_a_shortened_run(tmp_path, capsys):

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 import rollout
+import problems
+import parallel
+import metrics
 import stapo
 from rollout import HFEngine, Sample
 
@@ -76,6 +79,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_two_ranks_and_other_micro_batches_equal_one_process(tiny, tmp_path, one_thread):
     """With silencing active (tau_p 0.9) and micro-batches of 64 tokens (the ranks run unequal numbers
     of them), two ranks give the model and every metric of one process; so does one micro-batch per
@@ -97,6 +101,7 @@ def test_two_ranks_and_other_micro_batches_equal_one_process(tiny, tmp_path, one
     assert_same_metrics(m1, metrics_of(tmp_path / "big"))
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted_across_world_sizes_and_preemption(tiny, tmp_path, one_thread):
     """A 1-rank run saves at step 2, runs on to step 3 and is preempted; it resumes on 2 ranks. The model
     equals an uninterrupted run's, and metrics.jsonl holds each step once."""
@@ -145,13 +150,13 @@ def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path):
     need = {"reward_mean", "accuracy", "zero_variance_groups", "response_len_mean", "response_len_max", "truncated",
             "entropy_mean", "silenced_frac", "candidates", "tau_h", "clip_low", "clip_high", "grad_norm", "lr",
             "rollout_s", "train_s", "step_s", "tokens_per_s", "sync_probe_gap", "sync_probe_gap_mean",
-            "entropy_cut", *[f"grad_share/{k}" for k in stapo.SHARES],
-            *[f"taxonomy/{g}/{k}" for g in stapo.GROUPS for k in ("tokens", "grad_norm", "dH")]}
+            "entropy_cut", *[f"grad_share/{k}" for k in metrics.SHARES],
+            *[f"taxonomy/{g}/{k}" for g in metrics.GROUPS for k in ("tokens", "grad_norm", "dH")]}
     assert need <= m[0].keys() and not any(k.startswith("rollout_is") for k in m[0])  # off by default
     assert m[0]["silenced_frac"] > 0 and m[0]["candidates"] > 0  # tau_p = 0.9 makes most tokens candidates
     for x in m:  # the token analysis: shares of the gradient, and of the tokens, each summing to one
-        assert sum(x[f"grad_share/{k}"] for k in stapo.SHARES) == pytest.approx(1)
-        assert sum(x[f"taxonomy/{g}/tokens"] for g in stapo.GROUPS) == pytest.approx(1)
+        assert sum(x[f"grad_share/{k}"] for k in metrics.SHARES) == pytest.approx(1)
+        assert sum(x[f"taxonomy/{g}/tokens"] for g in metrics.GROUPS) == pytest.approx(1)
         assert (x["grad_share/silenced"] > 0) == (x["silenced_frac"] > 0)
     sil = [json.loads(x) for x in open(tmp_path / "silenced.jsonl")]
     assert {"step", "token", "p", "H", "left", "right"} == sil[0].keys()
@@ -192,7 +197,7 @@ def test_report_to_sends_every_steps_numbers_and_is_imported_only_when_asked(tin
         assert sent == numbers and len(sent) == 2 and "accuracy" in sent[0][1]
     monkeypatch.setitem(sys.modules, "wandb", None)  # importing it now raises ImportError
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    stapo.Reporter("none", str(tmp_path), {}).log({"step": 1, "accuracy": 0.5})
+    metrics.Reporter("none", str(tmp_path), {}).log({"step": 1, "accuracy": 0.5})
 
 
 # ---- the HF engine's sampler ----------------------------------------------------------------------------
@@ -224,7 +229,7 @@ def test_hf_engine_samples_do_not_depend_on_the_batch_and_match_the_model(tiny):
     over 600 samples match the model's softmax."""
     d, tok = tiny
     engine = HFEngine(str(d / "model"), torch.device("cpu"), torch.float32, tok.eos_token_id)
-    short, long = stapo.encode_prompt(tok, "What is 1 + 2?"), stapo.encode_prompt(tok, "What is 3 + 4? " * 3)
+    short, long = problems.encode_prompt(tok, "What is 1 + 2?"), problems.encode_prompt(tok, "What is 3 + 4? " * 3)
     alone = engine.generate([short], 3, 1.0, 1.0, 8, [11])[0]
     beside = engine.generate([long, short], 3, 1.0, 1.0, 8, [5, 11])[1]
     assert [s.tokens for s in alone] == [s.tokens for s in beside]
@@ -266,11 +271,11 @@ class FixedEngine(HFEngine):
 def test_degenerate_batches_give_finite_steps(tiny, tmp_path):
     d, tok = tiny
     args = stapo.get_args(args_for(d, tmp_path, "--method", "stapo"))
-    rank, world, device, mesh = stapo.init_distributed()
+    rank, world, device, mesh = parallel.init_distributed()
     policy = stapo.build_policy(args.model, mesh, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    data = stapo.load_problems(args.dataset)[:4]
-    prompts = [(i, stapo.encode_prompt(tok, p), a) for i, (p, a) in enumerate(data)]
+    data = problems.load_problems(args.dataset)[:4]
+    prompts = [(i, problems.encode_prompt(tok, p), a) for i, (p, a) in enumerate(data)]
     ids = lambda s: tok(s, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
     right, wrong = ids(f"\\boxed{{{data[0][1]}}}"), ids("\\boxed{99}")
     groups = [[Sample(right, "stop")] * 4,                                   # all correct: zero advantage
@@ -297,7 +302,7 @@ def test_degenerate_batches_give_finite_steps(tiny, tmp_path):
 
 
 def test_method_objectives_on_a_fixed_batch(tiny):
-    stapo.init_distributed()
+    parallel.init_distributed()
     args = stapo.get_args(["--tau-p", "0.5", "--q", "0.5"])
     logp = torch.tensor([[0.1, 0.6, 0.3, 0.9], [0.2, 0.2, 0.2, 0.2], [0.1, 0.45, 0.9, 0.9]]).log()
     ent = torch.tensor([[0.5, 0.1, 2.0, 0.3], [0.4, 0.4, 0.4, 0.4], [1.0, 0.2, 3.0, 0.7]])
@@ -331,20 +336,20 @@ def test_local_jsonl_bad_rows_name_file_line_and_field(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"problem": "1+1", "answer": "2"}\n\n{"problem": "2+2"}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:3: missing field 'answer'"):
-        stapo.load_problems(str(p))
+        problems.load_problems(str(p))
     p.write_text('{"problem": "1+1", "answer": "2"}\nnot json\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: not valid JSON"):
-        stapo.load_problems(str(p))
+        problems.load_problems(str(p))
     with pytest.raises(ValueError, match=r"x\.jsonl:1: missing field 'answer'"):
         (tmp_path / "x.jsonl").write_text('{"problem": "1"}\n')
-        rollout.read_jsonl(str(tmp_path / "x.jsonl"), ["problem", "answer"])
+        problems.read_jsonl(str(tmp_path / "x.jsonl"), ["problem", "answer"])
 
 
 def test_parquet_and_dedup(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"problem": ["a", "b", "a"], "answer": ["1", "2", "1"]}), tmp_path / "d.parquet")
-    assert stapo.load_problems(str(tmp_path / "d.parquet")) == [("a", "1"), ("b", "2")]
+    assert problems.load_problems(str(tmp_path / "d.parquet")) == [("a", "1"), ("b", "2")]
 
 
 def test_dapo_nested_schema_unwrapped_and_deduplicated(tmp_path):
@@ -353,7 +358,7 @@ def test_dapo_nested_schema_unwrapped_and_deduplicated(tmp_path):
         pytest.skip("../shared/data/train/dapo_math_17k_sample.jsonl is absent")
     rows = open(path).read().splitlines()
     (tmp_path / "dapo.jsonl").write_text("\n".join(rows + rows) + "\n")  # the Hub repeats every prompt
-    got = stapo.load_problems(str(tmp_path / "dapo.jsonl"))
+    got = problems.load_problems(str(tmp_path / "dapo.jsonl"))
     assert [a for _, a in got] == ["34", "113", "-3"]
     assert not any("Answer:" in p for p, _ in got)
     flat = [json.loads(x) for x in open(os.path.join(SHARED, "train", "dapo_math_17k.jsonl")).read().splitlines()[:3]]
@@ -362,11 +367,11 @@ def test_dapo_nested_schema_unwrapped_and_deduplicated(tmp_path):
 
 def test_prompt_suffix_and_chat_template(tiny):
     _, tok = tiny
-    ids = stapo.encode_prompt(tok, "What is 1 + 2?")
+    ids = problems.encode_prompt(tok, "What is 1 + 2?")
     text = tok.decode(ids)
-    assert text.startswith("<|im_start|>user\nWhat is 1 + 2?" + rollout.SUFFIX) and text.endswith("assistant\n")
-    raw = tok.decode(stapo.encode_prompt(tok, "What is 1 + 2?", chat_template=False))
-    assert raw == "What is 1 + 2?" + rollout.SUFFIX
+    assert text.startswith("<|im_start|>user\nWhat is 1 + 2?" + problems.SUFFIX) and text.endswith("assistant\n")
+    raw = tok.decode(problems.encode_prompt(tok, "What is 1 + 2?", chat_template=False))
+    assert raw == "What is 1 + 2?" + problems.SUFFIX
 
 
 def test_bad_split_is_an_error(tiny, tmp_path):
@@ -378,9 +383,9 @@ def test_bad_split_is_an_error(tiny, tmp_path):
 def test_step_prompts_split_by_minibatch_and_cover_each_epoch_once():
     data = [(f"p{i}", str(i)) for i in range(10)]
     args = stapo.get_args(["--prompts-per-step", "4", "--minibatches", "2", "--seed", "3"])
-    one = [stapo.step_prompts(data, s, args, 0, 1) for s in range(5)]
+    one = [problems.step_prompts(data, s, args, 0, 1) for s in range(5)]
     for s in range(5):  # two ranks hold, mini-batch by mini-batch, what one process holds
-        r0, r1 = (stapo.step_prompts(data, s, args, r, 2) for r in (0, 1))
+        r0, r1 = (problems.step_prompts(data, s, args, r, 2) for r in (0, 1))
         assert one[s] == [r0[0], r1[0], r0[1], r1[1]]
     flat = [x for step in one for x in step]
     assert [g for g, _, _ in flat] == list(range(20))
@@ -395,7 +400,7 @@ def test_a_model_whose_logits_policy_would_get_wrong_is_refused(tmp_path):
     cfg = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=16)
     Gemma2ForCausalLM(cfg).save_pretrained(tmp_path / "gemma2")
-    _, _, device, mesh = stapo.init_distributed()
+    _, _, device, mesh = parallel.init_distributed()
     with pytest.raises(ValueError, match=r"gemma2: its logits are not hidden @ lm_head.weight "
                                          r"\(final_logit_softcapping=30.0\)"):
         stapo.build_policy(str(tmp_path / "gemma2"), mesh, device)
@@ -417,8 +422,8 @@ def test_the_hf_export_keeps_the_checkpoint_dtype(tiny, tmp_path):
 TWO_RANK_WEIGHTS = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-import stapo
-rank, world, _, _ = stapo.init_distributed()
+import parallel, stapo
+rank, world, _, _ = parallel.init_distributed()
 g = torch.Generator().manual_seed(0)
 logp, ent = -torch.rand(8, 5, generator=g) * 4, torch.rand(8, 5, generator=g) * 3
 adv, valid = torch.randn(8, generator=g), torch.rand(8, 5, generator=g) < 0.8
@@ -428,7 +433,7 @@ out = {}
 s2t = stapo.spurious_tokens(logp[rows], ent[rows], adv[rows], valid[rows], args)
 for method in ("stapo", "entropy20", "justrl", "grpo"):
     keep, denom = stapo.token_weights(method, ent[rows], valid[rows], s2t)
-    out[method] = {"keep": stapo.gather(keep.float().tolist()), "denom": denom,
+    out[method] = {"keep": parallel.gather(keep.float().tolist()), "denom": denom,
                    "tau_h": s2t["tau_h"], "candidates": s2t["pooled"]}
 if rank == 0:
     json.dump(out, open(sys.argv[2], "w"))
@@ -437,6 +442,7 @@ torch.distributed.destroy_process_group()  # alive at exit, a process group can 
 """
 
 
+@pytest.mark.slow
 def test_token_weights_on_two_ranks_equal_one_process(tmp_path):
     """Each rank holds a different, unequal share of a mini-batch: the keep mask, the denominator, tau_h
     and the candidate count must be those of one process holding all of it (a per-rank quantile fails)."""
@@ -459,18 +465,18 @@ def test_an_unchanged_policy_has_a_ratio_of_exactly_one_in_every_mini_batch(tiny
     1.. computed together, in other groupings, move the ratio by float noise (in bf16 by up to 0.05 nats)."""
     d, _ = tiny
     seen, passes = [], []
-    real_loss, real_pass = stapo.stapo_loss, stapo.no_grad_pass
+    real_loss, real_pass = stapo.stapo_loss, stapo.measure
 
     def recording(logp, old_logp, adv, keep, *a, **k):
         seen.append((logp.detach() - old_logp)[keep > 0])
         return real_loss(logp, old_logp, adv, keep, *a, **k)
 
-    def no_grad_pass(policy, rows, idx, *a):
+    def measure(policy, rows, idx, *a):
         passes.append(sorted(idx))
         return real_pass(policy, rows, idx, *a)
     monkeypatch.setattr(stapo, "stapo_loss", recording)
-    monkeypatch.setattr(stapo, "no_grad_pass", no_grad_pass)
-    for micro in ("40", "4096"):  # several unequal micro-batches per mini-batch; one (the kept-graph pass)
+    monkeypatch.setattr(stapo, "measure", measure)
+    for micro in ("40", "4096"):  # several unequal micro-batches per mini-batch; one
         seen.clear()
         passes.clear()
         stapo.train(stapo.get_args(args_for(d, tmp_path / micro, "--steps", "1", "--lr", "0", "--minibatches", "4",
@@ -478,14 +484,15 @@ def test_an_unchanged_policy_has_a_ratio_of_exactly_one_in_every_mini_batch(tiny
         assert len(seen) >= 4 and sum(x.numel() for x in seen) > 50
         assert all(torch.equal(x, torch.zeros_like(x)) for x in seen), [x.abs().max() for x in seen]
         blocks = [list(range(b * 8, b * 8 + 8)) for b in range(4)]  # 4 mini-batches of 2 prompts x 4 samples
-        assert passes[:3] == blocks[1:]  # the old pass: mini-batch by mini-batch, each then micro-batched alone
+        assert passes[:4] == blocks  # the old pass: mini-batch by mini-batch, each then micro-batched alone
+        assert passes[4:] == blocks[1:]  # then the current policy's, after each update (none before the first)
 
 
 
 def test_the_eight_groups_and_the_gradient_shares_by_hand(tiny):
     """Two rows of three tokens, A = +1 and -1 at ratio 1 (w = A), tau_p 0.5, and the median H of the six
     tokens as the entropy cut (0.35): each token lands in its group, with the identity's gradient norm."""
-    stapo.init_distributed()
+    parallel.init_distributed()
     args = stapo.get_args(["--tau-p", "0.5"])
     p = torch.tensor([[0.1, 0.9, 0.2], [0.8, 0.3, 0.6]])
     ent = torch.tensor([[0.2, 0.1, 0.9], [0.5, 0.3, 0.4]])
@@ -494,13 +501,15 @@ def test_the_eight_groups_and_the_gradient_shares_by_hand(tiny):
     adv, valid = torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool)
     s2t = stapo.spurious_tokens(p.log(), ent, adv, valid, args)  # candidates (0,0) H .2, (0,2) H .9 -> tau_h .725
     assert s2t["silenced"].nonzero().tolist() == [[0, 0]]
-    m = stapo.StepMetrics()
+    m = metrics.StepMetrics(0)
     weight = adv[:, None].expand(2, 3)
-    m.analysis(p.log(), stats, weight, adv, valid, s2t, args)
+    norm = stapo.logit_gradient_norm(p.log(), collision, weight)
+    change = stapo.entropy_change(p.log(), ent, collision, stats[..., 2], weight)
+    m.analysis((p < 0.5, weight, ent, valid, norm, change), s2t, 0.35)
     norm = (1 - 2 * p + collision).sqrt()  # |w| = 1, T = 1
     groups = {"lowP_posA_lowH": [(0, 0)], "lowP_posA_highH": [(0, 2)], "highP_posA_lowH": [(0, 1)],
               "lowP_negA_lowH": [(1, 1)], "highP_negA_highH": [(1, 0), (1, 2)]}
-    for g in stapo.GROUPS:
+    for g in metrics.GROUPS:
         cells = groups.get(g, [])
         assert m.sums[f"{g}/n"] == len(cells), g
         assert m.sums[f"{g}/norm"] == pytest.approx(sum(norm[c].item() for c in cells)), g
@@ -514,9 +523,9 @@ def test_rollout_is_weights_the_loss_and_is_exact_when_the_sampler_agrees(tiny, 
     what --rollout-is none gives. A sampler that reports log p = 0 (p = 1): rho = the trainer's p, logged
     as the ratio's min, mean and max, and the update moves differently."""
     d, tok = tiny
-    rank, world, device, mesh = stapo.init_distributed()
-    data = stapo.load_problems(str(d / "train.jsonl"))[:4]
-    prompts = [(i, stapo.encode_prompt(tok, p), a) for i, (p, a) in enumerate(data)]
+    rank, world, device, mesh = parallel.init_distributed()
+    data = problems.load_problems(str(d / "train.jsonl"))[:4]
+    prompts = [(i, problems.encode_prompt(tok, p), a) for i, (p, a) in enumerate(data)]
     ids = lambda s: tok(s, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
     rows = [(p, ids(f"\\boxed{{{a}}}" if j < 2 else "\\boxed{99}")) for i, p, a in prompts for j in range(4)]
     valid = torch.ones(16, max(len(r) for _, r in rows), dtype=torch.bool)
@@ -525,8 +534,7 @@ def test_rollout_is_weights_the_loss_and_is_exact_when_the_sampler_agrees(tiny, 
     results = {}
     for mode, sampler in [("none", "trainer"), ("token", "trainer"), ("token", "zero")]:
         policy = stapo.build_policy(args.model, mesh, device)
-        trainer_logp = stapo.no_grad_pass(policy, rows, sorted(range(16), key=lambda i: len(rows[i][1])), valid,
-                                          args, device)
+        trainer_logp = stapo.measure(policy, rows, sorted(range(16), key=lambda i: len(rows[i][1])), valid, args)
         order = sorted(range(16), key=lambda i: len(rows[i][1]))
         logp = torch.zeros(valid.shape)
         logp[order] = trainer_logp[0]
@@ -549,6 +557,7 @@ def test_rollout_is_weights_the_loss_and_is_exact_when_the_sampler_agrees(tiny, 
     assert any(not torch.equal(none[1][k], zero[1][k]) for k in none[1])
 
 
+@pytest.mark.slow
 def test_a_tied_model_trains_on_one_and_two_ranks_resumes_and_exports_tied(tiny, tmp_path):
     """Qwen3-0.6B, 1.7B and 4B tie their embedding and LM head. Through the HF engine: 1 rank for 2 steps, then
     2 ranks resuming for a third; the export loads in transformers, still tied, and the shared matrix trained."""

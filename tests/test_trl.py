@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 from trl_stapo import STAPOTrainer  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves these out
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAME = dict(rtol=1e-5, atol=1e-6)  # parameters ~0.1 moved by ~3e-2; float32 reordering leaves < 1e-7
 

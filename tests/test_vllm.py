@@ -16,7 +16,12 @@ import pytest
 import torch
 
 import rollout
+import problems
+import parallel
+import metrics
 import stapo
+
+pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves these out
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 real_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -180,7 +185,7 @@ def test_the_fake_enforces_the_real_limits(fake_vllm):
 @pytest.fixture
 def process_group():
     """The in-process group of one, made before fake_vllm makes torch look like a CUDA build."""
-    stapo.init_distributed()
+    parallel.init_distributed()
 
 
 def test_the_judge_path_builds_one_sleep_mode_engine_per_process(tiny, tmp_path, process_group, fake_vllm,
@@ -236,11 +241,11 @@ def test_a_step_samples_sleeps_trains_then_syncs_and_checks(tiny, tmp_path):
     d, tok = tiny
     args = stapo.get_args(["--model", str(d / "model"), "--prompts-per-step", "4", "--group-size", "2",
                            "--minibatches", "2", "--max-response-len", "4", "--micro-tokens", "256"])
-    rank, world, device, mesh = stapo.init_distributed()
+    rank, world, device, mesh = parallel.init_distributed()
     policy = stapo.build_policy(args.model, mesh, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     engine = RecordingEngine(args.model, device, torch.float32, tok.eos_token_id)
-    prompts = [(i, stapo.encode_prompt(tok, f"What is {i} + 1?"), str(i + 1)) for i in range(4)]
+    prompts = [(i, problems.encode_prompt(tok, f"What is {i} + 1?"), str(i + 1)) for i in range(4)]
     metrics, _ = stapo.train_step(0, policy, opt, engine, tok, prompts, args, device, [5, 6, 7, 8])
     assert engine.calls == ["generate", "sleep", "load_weights", "logprobs_of"]
     assert metrics["sync_probe_gap"] < 1e-4

@@ -13,11 +13,15 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import rollout  # noqa: E402
+import problems  # noqa: E402
+import parallel  # noqa: E402
 import stapo  # noqa: E402
-from rollout import VLLMEngine, encode_prompt  # noqa: E402
+from problems import encode_prompt  # noqa: E402
+from rollout import VLLMEngine  # noqa: E402
 
 PROMPTS = ["What is 1 + 2?", "What is 7 + 5?"]
-SEEDS = [stapo.seed_of(0, 0, 0), stapo.seed_of(0, 0, 1)]
+SEEDS = [problems.seed_of(0, 0, 0), problems.seed_of(0, 0, 1)]
 
 
 def sample(engine, tok, prompts, seeds):
@@ -36,7 +40,7 @@ def perturbed(policy, scale):
 
 def main(model, out, mode):
     from transformers import AutoTokenizer
-    rank, world, device, mesh = stapo.init_distributed()
+    rank, world, device, mesh = parallel.init_distributed()
     tok = AutoTokenizer.from_pretrained(model)
     engine = VLLMEngine(model, tok, 128, 0.5, for_training=mode == "synced")
     seen = {"rank_env": os.environ.get("RANK")}
@@ -77,7 +81,7 @@ def main(model, out, mode):
 def stapo_logprobs(policy, probe):
     rows, valid = [(probe[:1], probe[1:])], torch.ones(1, len(probe) - 1, dtype=torch.bool)
     with torch.no_grad():
-        return stapo.forward(policy, rows, [0], valid, 1.0, torch.device("cpu"))[0][0].tolist()
+        return stapo.response_logprobs(policy, rows, [0], valid, 1.0)[0][0].tolist()
 
 
 def faulty_pushes(engine):

@@ -1,0 +1,74 @@
+"""parallel.py: the process group. Ranks and the device mesh, collectives of a few numbers or objects, and the
+check that every rank sees the same --out.
+"""
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+
+def init_distributed():
+    """torchrun's env, or a lone process as a world of one. Returns rank, world size, device, mesh.
+    On GPU, gloo carries the CPU tensors (counts, metrics) and NCCL the CUDA ones, with a timeout long
+    enough for a rank to wait out another's long rollout or checkpoint write. On one node the mesh is
+    1-D (FSDP over every rank); on several it is 2-D, (nodes, ranks per node): HSDP shards within a
+    node and replicates across nodes, so only the gradient all-reduce crosses the slower link."""
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timedelta(hours=2))
+        else:  # a plain `python stapo.py` (port 0: the OS picks a free one)
+            dist.init_process_group(backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1,
+                                    timeout=timedelta(hours=2))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    world = dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_node == world:
+        return dist.get_rank(), world, device, init_device_mesh(device.type, (world,))
+    shape, names = (world // per_node, per_node), ("replicate", "shard")
+    return dist.get_rank(), world, device, init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
+def gather(obj):
+    """Every rank's obj, in rank order."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
+def all_reduce_numbers(*xs, op=dist.ReduceOp.SUM):
+    """A few numbers reduced over ranks (summed, or `op`): a CPU tensor, which gloo carries also on GPU."""
+    t = torch.tensor([float(x) for x in xs], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def gather_cat(x):
+    """Concatenate a 1-D tensor of any length from every rank."""
+    return torch.cat(gather(x.cpu()))
+
+
+def require_shared(sees, out, what):
+    """Raise on every rank at once (no rank is left waiting in a collective) if one `sees` not."""
+    blind = [r for r, ok in enumerate(gather(bool(sees))) if not ok]
+    if blind:
+        raise RuntimeError(f"--out {out}: rank(s) {blind} {what}. On several nodes, --out must be "
+                           "a folder every node sees (a shared filesystem): each rank writes its "
+                           "shard of every checkpoint there, and --resume reads them all back")
+
+
+def check_shared_out(out, rank):
+    """Rank 0 writes a fresh token into --out; every rank must read it back."""
+    token, path = gather(os.urandom(8).hex())[0], os.path.join(out, ".run_token")
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(token)
+    dist.barrier()
+    sees = os.path.exists(path) and open(path).read() == token
+    require_shared(sees, out, "cannot see what rank 0 wrote there")

@@ -1,0 +1,46 @@
+"""The reference runs (tests/reference.py) give the metrics recorded in tests/data/reference, key by key for
+every key both have: a change meant to alter nothing (a refactor, a move between modules) must leave every
+sampled token, reward, S2T count, loss statistic and gradient norm as it was. Timings and memory peaks vary
+by nature and are left out. A run recorded before a change that alters what a key measures is re-recorded
+in the same commit, which says why."""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import reference
+
+slow = pytest.mark.slow
+
+
+def assert_equal_runs(name, out):
+    golden = [json.loads(line) for line in open(os.path.join(reference.GOLDEN, name + ".jsonl"))]
+    now = [reference.comparable(json.loads(line)) for line in open(os.path.join(out, name, "metrics.jsonl"))]
+    assert len(now) == len(golden), name
+    for old, new in zip(golden, now):
+        shared = old.keys() & new.keys()
+        assert len(shared) >= 30, (name, sorted(old.keys() ^ new.keys()))
+        for k in sorted(shared):
+            a, b = old[k], new[k]
+            if isinstance(a, float) and isinstance(b, float):  # sums over ranks: their order may differ
+                assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), (name, old["step"], k, a, b)
+            else:
+                assert a == b, (name, old["step"], k, a, b)
+
+
+@slow
+@pytest.mark.parametrize("name", ["toy_1rank", "toy_2ranks", "toy_one_micro_batch"])
+def test_the_toy_reference_runs_are_unchanged(name, tmp_path):
+    subprocess.run([sys.executable, reference.__file__, str(tmp_path), name], check=True, timeout=900)
+    assert_equal_runs(name, tmp_path)
+
+
+@slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM's CPU build is absent")
+def test_the_vllm_reference_run_is_unchanged(tmp_path):
+    subprocess.run([sys.executable, reference.__file__, str(tmp_path), "vllm_2ranks"], check=True, timeout=900)
+    assert_equal_runs("vllm_2ranks", tmp_path)
