@@ -186,7 +186,6 @@ def test_eval_during_training(tiny, tmp_path):
 def test_eval_during_training_gets_the_context_it_asks_for(tiny, tmp_path, monkeypatch):
     """vLLM stops an answer at its context without a word, so the training engine's context covers the
     longest eval prompt + --eval-max-tokens, and a length the model cannot hold is refused by name."""
-    import rollout
     d, tok = tiny
     data = six_benchmarks(tmp_path / "data")
     argv = ["--model", str(d / "model"), "--dataset", str(d / "train.jsonl"), "--out", str(tmp_path / "run"),
@@ -200,7 +199,7 @@ def test_eval_during_training_gets_the_context_it_asks_for(tiny, tmp_path, monke
     def engine(kind, model, tok, device, context, *rest, **kw):
         seen.append(context)
         raise KeyboardInterrupt  # the context is all this test needs
-    monkeypatch.setattr(rollout, "make_engine", engine)
+    monkeypatch.setattr(stapo, "make_engine", engine)  # stapo imports it by name
     with pytest.raises(KeyboardInterrupt):
         stapo.train(stapo.get_args(argv + ["--eval-max-tokens", "100"]))
     assert seen == [longest + 100] and longest + 100 > 70  # more than a training sample's 64 + 6
@@ -314,8 +313,8 @@ def test_the_judge_sees_each_rejected_sample_and_only_its_A_counts(tiny, tmp_pat
     template.write_text("Q:{question} G:{gold_answer} R:{llm_response} V:")
     seen, verdicts = [], iter(["A", "B", "C", None])
     real_prompt = reward.judge_prompt
-    monkeypatch.setattr(reward, "judge_prompt", lambda *x: seen.append(x) or real_prompt(*x))
-    monkeypatch.setattr(reward, "judge_verdict", lambda reply: next(verdicts))
+    monkeypatch.setattr(ev, "judge_prompt", lambda *x: seen.append(x) or real_prompt(*x))  # eval's own names
+    monkeypatch.setattr(ev, "judge_verdict", lambda reply: next(verdicts))
     records = [{"problem": f"P{i}", "gold": str(i), "completion": f"x{i}", "correct": i == 2} for i in range(5)]
     from rollout import HFEngine
     engine = HFEngine(str(d / "model"), torch.device("cpu"), torch.float32, tok.eos_token_id)
