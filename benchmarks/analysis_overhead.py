@@ -6,10 +6,11 @@ The head's forward (stapo._ChunkedHead) computes, per chunk of 128 tokens, log p
 two more sums for the analysis, sum pi^2 and sum pi^2 log pi: a square, a sum and a product-sum over the
 [chunk, V] buffer. This script times, in one process, (1) the shipped forward, (2) the same forward with the
 analysis's square and second product patched out (their two sums still run, so this understates the cost
-a little), and (3) metrics.StepMetrics.analysis on the batch (the groups and shares, one process); each the median
+a little), and (3) stapo.analyse on the batch (each token's gradient norm and entropy change, summed into
+the groups and shares by metrics.StepMetrics.analysis, one process); each the median
 of 3 after a warm-up.
 """
-import os, statistics, sys, time
+import os, statistics, sys, time, types
 
 import torch
 
@@ -54,12 +55,12 @@ def main():
     adv, valid = torch.randn(8), torch.ones(rows, dtype=torch.bool)
     args = stapo.get_args([])
     s2t = stapo.spurious_tokens(logp, stats[..., 0], adv, valid, args)
-    weight_ = adv[:, None].expand(rows)
-    book = timed(lambda: metrics.StepMetrics().analysis(logp, stats, weight_, adv, valid, s2t, args))
+    batch = types.SimpleNamespace(old_logp=logp, adv=adv, valid=valid)  # ratio 1: w = A
+    book = timed(lambda: stapo.analyse(logp, stats, batch, list(range(8)), s2t, args, metrics.StepMetrics(0)))
     print(f"{m} tokens, vocabulary {v}, hidden {d}, fp32, {torch.get_num_threads()} threads")
     print(f"head forward, as shipped: {full:.2f} s; without the analysis's two reductions: {without:.2f} s "
           f"(the analysis: +{100 * (full / without - 1):.1f}% of the forward)")
-    print(f"metrics.StepMetrics.analysis on the batch: {book * 1000:.1f} ms")
+    print(f"stapo.analyse on the batch: {book * 1000:.1f} ms")
     torch.distributed.destroy_process_group()
 
 
