@@ -1,10 +1,12 @@
 """Reference runs: fixed-seed training runs whose metrics a change that means to alter nothing must leave equal.
 
     python tests/reference.py --write            # record tests/data/reference/<run>.jsonl (before a refactor)
-    python tests/reference.py OUT [RUN ...]      # rerun into OUT (tests/test_reference.py compares them)
+    python tests/reference.py OUT [RUN[:STEPS] ...]   # rerun into OUT, all or the first STEPS steps
 
-Runs: the toy (its warm start, then 40 steps of STAPO) on one rank and on two, and 3 steps through vLLM's
-CPU build on two ranks. Each is a subprocess with one thread, so the float order is the same every time.
+Runs: the toy (its warm start, then 40 steps of STAPO) on one rank, on two, and in one micro-batch, and 3
+steps through vLLM's CPU build on two ranks. Each is a subprocess with one thread, so the float order is
+the same every time. The learning rate is constant (no warm-up), so a shorter run's steps are the first steps
+of the recorded one: tests/test_reference.py reruns a prefix of each to keep CI short.
 """
 import json
 import os
@@ -56,9 +58,11 @@ RUNS = {  # name: (model's hidden size, steps, ranks, extra flags)
 }
 
 
-def run(name, out):
-    """One reference run into out/<name>; returns its metrics.jsonl rows."""
-    hidden, steps, nproc, extra = RUNS[name]
+def run(name, out, steps=None):
+    """One reference run into out/<name>, all its steps or the first `steps`; returns its metrics rows.
+    Runs with the same hidden size share one warm-started model under out."""
+    hidden, all_steps, nproc, extra = RUNS[name]
+    steps = steps or all_steps
     model = os.path.join(out, f"model_{hidden}")
     if not os.path.exists(os.path.join(model, "train.jsonl")):
         toy_model(model, hidden)
@@ -83,5 +87,6 @@ if __name__ == "__main__":
                 with open(os.path.join(GOLDEN, name + ".jsonl"), "w") as f:
                     f.writelines(json.dumps(comparable(r)) + "\n" for r in rows)
     else:
-        for name in sys.argv[2:] or RUNS:
-            run(name, sys.argv[1])
+        for spec in sys.argv[2:] or RUNS:
+            name, _, steps = spec.partition(":")
+            run(name, sys.argv[1], int(steps) if steps else None)

@@ -52,7 +52,10 @@ def test_two_nodes_of_two_train_as_one_process_and_resume_on_a_shared_out(tiny, 
     for code, out, err in nodes(lambda r: shared[:-10] + ["--steps", "3", *common, "--resume"], per_node=1):
         assert code == 0, err[-3000:]
     assert_same_params(load_params(tmp_path / "one" / "model"), load_params(tmp_path / "two" / "model"))
-    assert_same_metrics(metrics_of(tmp_path / "one"), metrics_of(tmp_path / "two"))
+    # Four ranks sum in another order than one process, and Adam divides by the root of small second
+    # moments: by step 3 (after the resume) grad_norm is 1.0e-4 apart and every other metric within 6e-5
+    # (measured, AVX2). A wrong reduction over either mesh dimension moves them by percents.
+    assert_same_metrics(metrics_of(tmp_path / "one"), metrics_of(tmp_path / "two"), rel=1e-3)
     assert json.load(open(tmp_path / "two" / "config.json"))["mesh"] == [2, 1]
     assert json.load(open(tmp_path / "one" / "config.json"))["mesh"] == [1]
     assert sorted(os.listdir(tmp_path / "two" / "ckpt" / "step_2" / "dcp")).count(".metadata") == 1

@@ -1,4 +1,5 @@
 """The CPU toy learns: a shortened run of examples/toy.py (120 of its 600 steps)."""
+import json
 import os
 
 import pytest
@@ -12,11 +13,19 @@ pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves the
 
 
 def test_toy_learns_in_a_shortened_run(tmp_path, capsys):
+    """The sampled accuracy of training (5,120 samples in each 20 steps) rises, and the greedy held-out
+    accuracy with it. The warm start's held-out figure moves with the CPU's float kernels (20 problems,
+    0.05 each): 0.30 on an AVX-512 machine, 0.45 on an AVX2 one, 0.35 to 0.45 when its initial weights
+    move by 1e-6; so it is bounded, not pinned. Measured here (AVX2): 0.42 -> 0.66 in training, 0.45 ->
+    0.65 held out."""
     before, after = toy.main(["--out", str(tmp_path), "--steps", "120"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == f"toy: accuracy {before:.2f} -> {after:.2f}"
-    assert 0 <= before <= 0.4          # the warm start knows the format, and few of the sums
-    assert after >= before + 0.2       # docs/toy.md has the measured figures; 600 steps reached 0.80
+    assert 0 <= before <= 0.5          # the warm start knows the format, and at most half of the sums
+    accuracy = [json.loads(line)["accuracy"] for line in open(tmp_path / "rl" / "metrics.jsonl")]
+    first, last20 = sum(accuracy[:20]) / 20, sum(accuracy[-20:]) / 20
+    assert last20 >= first + 0.15, (first, last20)  # no learning, or a sign flipped, stays put or falls
+    assert after > before              # and it carries to problems it never trained on
     assert os.path.exists(tmp_path / "rl" / "model" / "config.json")
 
 

@@ -54,14 +54,14 @@ def run(argv, nproc=1):
 TIMING = {"rollout_s", "train_s", "step_s", "tokens_per_s"}
 
 
-def assert_same_metrics(a, b):
+def assert_same_metrics(a, b, rel=1e-4):
     """Every metric but the timings and the memory peaks, step by step, to float precision."""
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
         for k in {k for k in x if k not in TIMING and not k.startswith("peak_gb/")}:  # time and memory vary
             if isinstance(x[k], float) and isinstance(y[k], float):
-                assert math.isclose(x[k], y[k], rel_tol=1e-4, abs_tol=1e-6), (x["step"], k, x[k], y[k])
+                assert math.isclose(x[k], y[k], rel_tol=rel, abs_tol=1e-6), (x["step"], k, x[k], y[k])
             else:
                 assert x[k] == y[k], (x["step"], k, x[k], y[k])
 
