@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 8 eval.py --model ...       # the problems are sharded over ranks
     python eval.py --compare runs/eval_a runs/eval_b      # two results side by side
     python eval.py --model ... --judge opencompass/CompassVerifier-3B   # the rules, then a judge model
+    python eval.py --judge-only --out runs/eval --judge ...   # what a failed judge left unjudged
 
 k samples per problem (32 for AIME24/25 and AMC23, 4 for the others), each problem seeded; avg@k is the
 mean accuracy over the k samples, pass@k the fraction of problems with a correct sample. "Correct" is
@@ -11,17 +12,21 @@ reward.score > 0 on the last \\boxed{}: gold conventions (AIME's zero padding, M
 OlympiadBench's unordered multi-answers) live in reward.py, not here.
 """
 import argparse
+import contextlib
 import functools
+import glob
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 
 import datasets
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
-from parallel import gather, init_distributed
+from parallel import check_shared_out, gather, init_distributed
 from problems import encode_prompt, problem_answer, read_jsonl, seed_of
 from reward import check_all, extract_answer, extract_boxed, judge_prompt, judge_verdict
 from rollout import compute_dtype, make_engine
@@ -36,6 +41,8 @@ BENCHMARKS = {
     "olympiadbench": ("math-ai/olympiadbench", "test", "question", "final_answer", 4),
 }
 PRESETS = {"train": (1.0, 1.0), "justrl": (0.7, 0.9)}  # (temperature, top-p): the paper's two settings
+JUDGE_CHUNK = 256  # rejected samples per call to the judge's engine; each call's verdicts reach disk at once
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def benchmark_row(name, row, i, where):
@@ -210,13 +217,16 @@ def main(argv=None):
     p.add_argument("--judge-prompt", metavar="FILE",
                    help="the judge's template (reward.JUDGE_PROMPT's fields)")
     p.add_argument("--judge-max-tokens", type=int, default=16)
+    p.add_argument("--judge-only", action="store_true",
+                   help="no sampling: judge the rejected samples of --out's samples.jsonl that have no verdict")
+    p.add_argument("--judge-shard", metavar="R/W", help="internal: a judge process's share (one per rank)")
     p.add_argument("--out", default="runs/eval")
     p.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="the engines' weights (auto: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--judge-gpu-memory-utilization", type=float, default=0.5,
-                   help="the judge's share of the GPU, built while the policy's engine sleeps")
+                   help="the judge's share of the GPU, in its own process while the policy's engine sleeps")
     p.add_argument("--no-chat-template", dest="chat_template", action="store_false")
     p.add_argument("--enable-thinking", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -224,8 +234,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.compare:
         return compare(*a.compare)
-    if not a.model:
-        p.error("--model is required (or --compare OUT_A OUT_B)")
+    if not (a.model or a.judge_only and a.judge or a.judge_shard):
+        p.error("--model is required (or --compare OUT_A OUT_B, or --judge-only with --judge MODEL)")
     names = list(BENCHMARKS) if a.benchmarks == "all" else a.benchmarks.split(",")
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
@@ -239,62 +249,132 @@ def main(argv=None):
     own_group = not dist.is_initialized()
     rank, world, device, _ = init_distributed()
     try:
-        run(a, names, temperature, top_p, rank, world, device)
+        judge_share(a, device) if a.judge_shard else run(a, names, temperature, top_p, rank, world, device)
     finally:
         if own_group and dist.is_initialized():  # a process group alive at exit can abort the process
             dist.destroy_process_group()
 
 
-def load_engine(a, model, device, max_model_len, memory, sleep_mode=True):
+def load_engine(a, model, device, max_model_len, memory):
     """A model's tokenizer and inference engine, its context capped at the model's own."""
     tok = AutoTokenizer.from_pretrained(model)
     longest = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None) or max_model_len
     context = min(max_model_len, longest)
     engine = make_engine(a.engine, model, tok, device, context, memory, for_training=False,
-                         dtype=compute_dtype(a.dtype, device), sleep_mode=sleep_mode)
+                         dtype=compute_dtype(a.dtype, device))
     return tok, engine
 
 
 def run(a, names, temperature, top_p, rank, world, device):
-    tok, engine = load_engine(a, a.model, device, a.max_tokens + 2048, a.gpu_memory_utilization)
-    t0 = time.time()
-    mine = evaluate(engine, tok, names, a.samples, temperature, top_p, a.max_tokens, rank, world, a.data_dir,
-                    a.limit, a.chat_template, a.enable_thinking, a.seed, a.sources, a.unboxed)
-    seconds, judge_seconds = time.time() - t0, 0.0
-    if a.judge:  # the policy's engine sleeps (vLLM on GPU frees its weights and KV cache) for the judge's;
-        engine.sleep()  # both live to the end of run(): a vLLM engine's shutdown destroys the process group
-        dist.barrier()  # every rank is done generating (this group waits 2 h; vLLM's own, 30 min)
-        # no sleep mode: one CuMem allocator per process, and the policy's engine holds it
-        judge_tok, judge_engine = load_engine(a, a.judge, device, 1 << 20, a.judge_gpu_memory_utilization,
-                                              sleep_mode=False)
+    """Sample and grade by the rules (not with --judge-only); with --judge, then a judge process per rank."""
+    engine = None  # alive to the end of run(): a vLLM engine's shutdown destroys the process group
+    if not a.judge_only:
+        tok, engine = load_engine(a, a.model, device, a.max_tokens + 2048, a.gpu_memory_utilization)
         t0 = time.time()
-        template = open(a.judge_prompt).read() if a.judge_prompt else None
-        judge(mine, judge_engine, judge_tok, template, a.judge_max_tokens)
-        judge_seconds = time.time() - t0
-    records = sum(gather(mine), [])
-    if rank == 0:
-        rows = summarize(records)
-        os.makedirs(a.out, exist_ok=True)
-        results = {
-            "model": a.model,
-            "preset": a.preset,
-            "config": vars(a),
-            "table": rows,
-            "samples_per_s": len(records) / seconds,
-            "tokens_per_s": sum(r["length"] for r in records) / seconds,
-        }
-        if a.judge:  # rank 0's cost, the judge's start-up excluded
-            results["judge_s_per_judged_sample"] = judge_seconds / max(1, sum(not r["correct"] for r in mine))
-        files = {
-            "samples.jsonl": "".join(json.dumps(r) + "\n" for r in records),
-            "summary.md": table(rows) + "\n",
-            "results.json": json.dumps(results, indent=1),
-        }
-        for name, text in files.items():
-            with open(os.path.join(a.out, name), "w") as f:
-                f.write(text)
-        print(table(rows))
+        mine = evaluate(engine, tok, names, a.samples, temperature, top_p, a.max_tokens, rank, world, a.data_dir,
+                        a.limit, a.chat_template, a.enable_thinking, a.seed, a.sources, a.unboxed)
+        seconds, records, pids = time.time() - t0, sum(gather(mine), []), gather(os.getpid())
+        if rank == 0:
+            for old in glob.glob(os.path.join(a.out, "judged.*.jsonl")):  # verdicts on an earlier run's samples
+                os.remove(old)
+            write_results(a.out, records, {"model": a.model, "preset": a.preset, "config": vars(a),
+                                           "samples_per_s": len(records) / seconds,
+                                           "tokens_per_s": sum(r["length"] for r in records) / seconds,
+                                           "sampler_pids": pids})
+    if a.judge:
+        if engine:
+            engine.sleep()  # on GPU, vLLM gives its weights and KV cache back for the judge's process
+        check_shared_out(a.out, rank)  # every rank done generating, and its judge process sees samples.jsonl
+        failed = [r for r, code in enumerate(gather(spawn_judge(a, rank, world, device))) if code]
+        missing = gather(merge_verdicts(a.out, a.judge) if rank == 0 else 0)[0]
+        if failed or missing:  # the same on every rank
+            raise SystemExit(1 if rank else f"eval.py: the judge's process failed on rank(s) {failed} (its output is "
+                             f"above): {missing} rejected samples have no verdict. {a.out}/samples.jsonl keeps every "
+                             f"sample and rule verdict; to judge the rest: python eval.py --judge-only --out {a.out} "
+                             f"--judge {a.judge}")
     dist.barrier()  # all ranks done, engines alive (a vLLM engine's shutdown destroys the group), then exit
+
+
+def write_results(out, records, results):
+    """samples.jsonl, summary.md and results.json (the records' table), each whole or not at all."""
+    rows = summarize(records)
+    os.makedirs(out, exist_ok=True)
+    files = {"samples.jsonl": "".join(json.dumps(r) + "\n" for r in records), "summary.md": table(rows) + "\n",
+             "results.json": json.dumps({**results, "table": rows}, indent=1)}
+    for name, text in files.items():
+        with open(os.path.join(out, name + ".tmp"), "w") as f:
+            f.write(text)
+        os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+    print(table(rows))
+
+
+def sample_key(r):
+    return r["benchmark"], r["id"], r["sample"]
+
+
+def spawn_judge(a, rank, world, device):
+    """This rank's judge process (`--judge-shard rank/world`), a world of one on this rank's device; its exit
+    code. vLLM keeps process-wide state for one engine: the judge's never shares the policy's process."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC")}
+    if device.type == "cuda":  # the child sees this rank's GPU alone
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[device.index] if visible else str(device.index)
+    flags = ["--judge", a.judge, "--out", a.out, "--engine", a.engine, "--dtype", a.dtype, "--judge-max-tokens",
+             str(a.judge_max_tokens), "--judge-gpu-memory-utilization", str(a.judge_gpu_memory_utilization)]
+    flags += ["--judge-prompt", a.judge_prompt] if a.judge_prompt else []
+    cmd = [sys.executable, os.path.abspath(__file__), "--judge-shard", f"{rank}/{world}", *flags]
+    return subprocess.run(cmd, env=env).returncode
+
+
+def judge_share(a, device):
+    """`--judge-shard R/W`: lines R, R + W, ... of samples.jsonl, their rejected samples without a verdict,
+    JUDGE_CHUNK at a time; each chunk's verdicts go to judged.R.jsonl at once (a crash loses none made)."""
+    part, parts = map(int, a.judge_shard.split("/"))
+    done = read_verdicts(a.out)
+    records = [r for _, r in read_jsonl(os.path.join(a.out, "samples.jsonl"))][part::parts]
+    todo = [r for r in records if not r["correct"] and sample_key(r) not in done]
+    if not todo:
+        return
+    tok, engine = load_engine(a, a.judge, device, 1 << 20, a.judge_gpu_memory_utilization)
+    template = open(a.judge_prompt).read() if a.judge_prompt else None
+    print(f"eval.py judge {a.judge_shard}: {len(todo)} samples, its engine in process {os.getpid()}", flush=True)
+    with open(os.path.join(a.out, f"judged.{part}.jsonl"), "a") as f:
+        f.write("\n")  # ends a line that a killed judge process left half written
+        for i in range(0, len(todo), JUDGE_CHUNK):
+            chunk, t0 = todo[i:i + JUDGE_CHUNK], time.time()
+            judge(chunk, engine, tok, template, a.judge_max_tokens)
+            s = (time.time() - t0) / len(chunk)
+            f.writelines(json.dumps({"benchmark": r["benchmark"], "id": r["id"], "sample": r["sample"],
+                                     "judge": r["judge"], "s": s, "pid": os.getpid()}) + "\n" for r in chunk)
+            f.flush()
+
+
+def read_verdicts(out):
+    """{sample key: verdict} from judged.*.jsonl; a line a killed process left half written is judged again."""
+    verdicts = {}
+    for line in [line for path in glob.glob(os.path.join(out, "judged.*.jsonl")) for line in open(path)]:
+        with contextlib.suppress(ValueError):  # a blank line, or one half written
+            verdict = json.loads(line)
+            verdicts[sample_key(verdict)] = verdict
+    return verdicts
+
+
+def merge_verdicts(out, judge_model):
+    """Rank 0, after the judge processes: their verdicts into samples.jsonl, summary.md and results.json, once
+    every rejected sample has one (until then the results stay the rules' alone); how many lack one."""
+    records = [r for _, r in read_jsonl(os.path.join(out, "samples.jsonl"))]
+    verdicts = read_verdicts(out)
+    rejected = [verdicts.get(sample_key(r)) for r in records if not r["correct"]]
+    if None in rejected:
+        return rejected.count(None)
+    for r in records:
+        r["judge"] = None if r["correct"] else verdicts[sample_key(r)]["judge"]
+        r["judged"] = r["correct"] or r["judge"] == "A"
+    results = json.load(open(os.path.join(out, "results.json")))
+    results["judge"], results["judge_pids"] = judge_model, sorted({v["pid"] for v in rejected})
+    results["judge_s_per_judged_sample"] = sum(v["s"] for v in rejected) / max(1, len(rejected))
+    write_results(out, records, results)
+    return 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     extract_answer(text)               -> str | None   boxed, else an unboxed final answer (eval.py --unboxed)
     is_equivalent(pred, gold, timeout) -> bool         math equivalence of two final answers
     score(completion, gold)            -> float        +1.0 if the final box is equivalent to gold, else -1.0
+    dapo_score(completion, gold)       -> float        the paper's reward, DAPO's: the box string-equal to gold
     judge_prompt / judge_verdict                       the judge's prompt and its A/B/C verdict (eval.py --judge)
 
 Model output is hostile. It never reaches eval, exec, sympify or parse_expr: a small parser of our own
@@ -27,31 +28,29 @@ MAX_LEN, MAX_DEPTH = 1000, 50
 
 # ---- Boxes -----------------------------------------------------------------------------------------------
 
+_WORD = re.compile(r"\s+([^\s$]+)")  # the answer of a box without braces, `\boxed 5`
+
+
 def _boxes(text):
-    """[(start, end, content)] of every outermost \\boxed{...} / \\fbox{...} / `\\boxed x`, in order."""
-    out, end = [], 0
+    """[(start, end, content)] of every outermost \\boxed{...} / \\fbox{...} / `\\boxed x`, in order; one pass."""
+    opened, closing = [], {}
+    for j, c in enumerate(re.sub(r"\\.", "  ", text)):  # an escaped \{ or \} cannot open or close a box
+        if c == "{":
+            opened.append(j)
+        elif c == "}" and opened:
+            closing[opened.pop()] = j
+    out = []
     for m in re.finditer(r"\\boxed|\\fbox", text):
-        if m.start() < end:
-            continue  # a box inside the previous box
         i = m.end()
-        if not text.startswith("{", i):
-            word = re.match(r"\s+([^\s$]+)", text[i:])
-            if word:
-                out.append((m.start(), i + word.end(), word.group(1)))
-                end = i + word.end()
-            continue
-        body, depth = re.sub(r"\\.", "  ", text[i:]), 0  # an escaped \{ or \} cannot open or close the box
-        for j, c in enumerate(body):
-            depth += (c == "{") - (c == "}")
-            if depth == 0:
-                out.append((m.start(), i + j + 1, text[i + 1:i + j].strip()))
-                end = i + j + 1
-                break
+        word = None if text.startswith("{", i) else _WORD.match(text, i)
+        end = word.end() if word else closing.get(i, -1) + 1
+        if end and not (out and m.start() < out[-1][1]):  # a box inside the previous box is part of it
+            out.append((m.start(), end, word.group(1) if word else text[i + 1:end - 1].strip()))
     return out
 
 
 _GAP = r"(?:\s|\$|\\[()\[\]])*"  # spacing and math delimiters: `$\boxed{1}$ and \(\boxed{2}\)`
-_BETWEEN_BOXES = re.compile(_GAP + r"(?:(?:[,;]|(?:\\text\{\s*)?(?:and|or)\s*\}?|\\q?quad\b)" + _GAP + ")+")
+_BETWEEN_BOXES = re.compile(_GAP + r"(?:(?:[,;]|(?:\\text\{\s*)?(?:and|or)(?:\s*\})?|\\q?quad\b)" + _GAP + ")+")
 
 
 def extract_boxed(text):
@@ -67,13 +66,29 @@ def extract_boxed(text):
     return ", ".join(b[2] for b in last)
 
 
+_JOIN = re.compile(r"[\s,;]{0,80}(?:[^.!?\n]{0,40}?\b(?:and|or)\s{0,40}(?:[A-Za-z](?:_\s?\w+)?\s{0,9}=)?\s{0,40})?")
+_MARKUP = re.compile(r"\$|\\[()\[\]]|\\q?quad\b|\\text\s*\{|[{}]")
+
+
+def _boxed_tail(text):
+    """For is_equivalent: the text spanning the last box and the boxes joined to it by a separator, by nothing or
+    by a short phrase ending in `and`/`or` (`\\boxed{(3, 3)} for part (a) and \\boxed{(1, 1)}`); else extract_boxed."""
+    box = extract_boxed(text)
+    boxes = _boxes(text) if box is not None else []
+    first = len(boxes) - 1
+    while first > 0 and _JOIN.fullmatch(_MARKUP.sub(" ", text[boxes[first - 1][1]:boxes[first][0]])):
+        first -= 1
+    return text[boxes[first][0]:boxes[-1][1]] if first < len(boxes) - 1 else box
+
+
 # Math spans: $$..$$ and \[..\] may span lines; $..$ and \(..\) may not (a stray $ is a dollar sign)
 _SPAN = re.compile(r"\$\$(.+?)\$\$|(?<!\\)\$((?:\\\$|[^$\n])+?)\$|\\\(([^\n]+?)\\\)|\\\[(.+?)\\\]", re.S)
 _CHAT_TOKEN = re.compile(r"<\|[a-z_]+\|>|</s>|<｜end▁of▁sentence｜>")  # a turn ends: no answer after it
 _MINERVA = re.compile(r"final answer is\s*(.+?)\s*I hope it is correct", re.I | re.S)
 _FINAL = re.compile(r"answer\s*(?:\*\*)?\s*(?:is|:|=)\s*:?\s*(?:\*\*)?", re.I)
 _CONCLUDES = re.compile(r"\b(?:therefore|thus|hence|so|finally)\b", re.I)
-_NUMBER = re.compile(r"(?<![A-Za-z\d.,])-?\d+(?:,\d{3})*(?:[.,]\d+)?(?:/\d+)?")
+_NUMBER = re.compile(r"-?\d*\\(?:[dt]?frac(?:\{[^{}]*\}|\d){2}|sqrt(?:\{[^{}]*\}|\d))"  # \frac{10}{9}, 2\sqrt{3} whole
+                     r"|(?<![A-Za-z\d.,])-?\d+(?:,\d{3})*(?:[.,]\d+)?(?:/\d+)?")
 
 
 def _sentences(text):
@@ -84,7 +99,7 @@ def _sentences(text):
 
 
 def _last_math(s):
-    """The content of the last math span of s, else (when s has none) its last number, else None."""
+    """The content of the last math span of s, else (when s has none) its last number or bare \\frac, else None."""
     spans = list(_SPAN.finditer(s))
     numbers = _NUMBER.findall(s)
     return spans[-1].group(spans[-1].lastindex).strip() if spans else numbers[-1] if numbers else None
@@ -133,16 +148,33 @@ def extract_answer(text):
 
 
 def score(completion, gold):
-    """The training reward: +1.0 if the completion's last boxed answer is mathematically equivalent to
-    gold, else -1.0. The paper's reward is DAPO's, a string match of the last answer after normalisation;
-    equivalence also credits a right answer written another way (1/2 for 0.5), as its evaluation does."""
-    box = extract_boxed(completion)
-    return 1.0 if box is not None and is_equivalent(box, gold) else -1.0
+    """The training reward: +1.0 if the completion's last boxed answer (against a gold of several parts, with
+    the boxes joined to it) is equivalent to gold, else -1.0; it credits 1/2 for 0.5, dapo_score does not."""
+    tail = _boxed_tail(completion)
+    return 1.0 if tail is not None and is_equivalent(tail, gold) else -1.0
 
 
-def score_all(completions, golds):
-    """score() over many completions, on a lasting pool of threads, each with its own sympy worker."""
-    return [1.0 if ok else -1.0 for ok in check_all(map(extract_boxed, completions), golds)]
+def dapo_score(completion, gold):
+    """The paper's reward, DAPO's as JustRL runs it (verl/utils/reward_score/math_dapo.py, strict_box_verify=True):
+    +1.0 if the last `\\boxed{` of the last 100 characters closes there and holds exactly the string gold, else
+    -1.0. Nothing is normalised; every brace counts, escaped or not; `\\boxed 5` and \\fbox are no box."""
+    window = completion[-300:][-100:]  # verl keeps 300 characters, then strict mode the last 100 of those
+    _, opened, body = window.rpartition("\\boxed{")
+    depth = 1
+    for end, c in enumerate(body):
+        depth += (c == "{") - (c == "}")
+        if depth == 0:
+            return 1.0 if opened and body[:end] == gold else -1.0
+    return -1.0
+
+
+def score_all(completions, golds, reward="equiv"):
+    """score() ("equiv", on a lasting pool of threads with a sympy worker each) or dapo_score() ("dapo")."""
+    if reward == "dapo":
+        return [dapo_score(text, gold) for text, gold in zip(completions, golds)]
+    if reward != "equiv":
+        raise ValueError("reward is 'equiv' or 'dapo', not %r" % (reward,))
+    return [1.0 if ok else -1.0 for ok in check_all(map(_boxed_tail, completions), golds)]
 
 
 def check_all(answers, golds):
@@ -409,12 +441,30 @@ def structure(s):
 
 
 def is_equivalent(pred, gold, timeout=5.0):
-    """Are two final answers (LaTeX, maybe in $..$, \\(..\\), \\[..\\]) mathematically the same?"""
+    """Are two final answers (LaTeX, maybe in $..$, \\(..\\), \\[..\\]) mathematically the same? A gold that is a
+    whole solution counts by its final answer; joined boxes (_boxed_tail) count together against several parts."""
     try:
         _worker()  # started before the clock: its start-up (seconds on a busy machine) is not the check's time
-        return _equal(normalize(pred), normalize(gold), time.monotonic() + timeout)
+        deadline = time.monotonic() + timeout
+        a, b = normalize(pred), normalize(_gold_answer(gold))
+        return _equal(a, b, deadline) or _equal_parts(pred, b, deadline) or _equal_parts(gold, a, deadline)
     except Exception:  # absurd input, parse errors, timeouts: not equivalent
         return False
+
+
+def _gold_answer(gold):
+    """A whole solution's final answer: its last boxes, else extract_answer's where it says `answer` or is long."""
+    tail = _boxed_tail(gold)
+    if tail is None and isinstance(gold, str) and (len(gold) > MAX_LEN or _FINAL.search(gold)):
+        tail = extract_answer(gold)
+    return tail or gold
+
+
+def _equal_parts(text, other, deadline):
+    """Do the boxes joined at the end of text (_boxed_tail), read together, equal `other`, of several parts?"""
+    boxes = _boxes(_boxed_tail(text) or "")
+    several = len(boxes) > 1 and structure(other)[0] in ("list", "set")
+    return several and _equal(normalize(", ".join(b[2] for b in boxes)), other, deadline)
 
 
 def _bare_rhs(s):

@@ -12,6 +12,7 @@ HFEngine decodes with a transformers model (CPU, tests, small runs); VLLMEngine 
 the rank.
 """
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 
@@ -110,30 +111,34 @@ class HFEngine:
 
 
 class VLLMEngine:
-    """Colocated vLLM: one in-process engine per torchrun rank (external launcher, TP 1).
-
-    On GPU, with sleep_mode: asleep at level 2 while the trainer works (every sync re-pushes all
-    weights, so none are backed up in host memory). Sleep mode means vLLM's CuMem allocator, of which a
-    process may hold one instance: a second engine in the same process (eval's judge) has none.
-    vLLM's CPU build has no sleep mode: sleep() does nothing, eager mode, and no chunked prefill
-    (seeded requests fail under it on CPU); its bf16 is emulated and slower. For training it starts
-    from dummy weights: the first sync writes the real ones.
+    """Colocated vLLM: one in-process engine per torchrun rank (external launcher, TP 1), and one per
+    process for the life of the process: vLLM keeps process-wide state for one engine (its rotary cache,
+    its CuMem allocator; docs/evaluation.md). On GPU: asleep at level 2 while the trainer works (every
+    sync re-pushes all weights, so none are backed up in host memory); fp32 dot products in Triton's
+    attention are true fp32. vLLM's CPU build has no sleep mode: sleep() does nothing, eager mode, and no
+    chunked prefill (seeded requests fail under it on CPU); its bf16 is emulated and slower. For
+    training it starts from dummy weights: the first sync writes the real ones.
     """
 
-    def __init__(self, model, tok, max_model_len, gpu_memory_utilization, for_training=True, dtype=None,
-                 sleep_mode=True):
+    def __init__(self, model, tok, max_model_len, gpu_memory_utilization, for_training=True, dtype=None):
         from vllm import LLM
+        if ENGINE_PIDS:
+            raise RuntimeError(f"a second vLLM engine ({model}) in process {os.getpid()}: vLLM keeps "
+                               "process-wide state for one engine; build it in a process of its own")
+        ENGINE_PIDS.append(os.getpid())
         # the external launcher reads both
         os.environ.setdefault("RANK", str(dist.get_rank() if dist.is_initialized() else 0))
         os.environ.setdefault("LOCAL_RANK", "0")
         cuda = torch.cuda.is_available()
         self.dtype = dtype or compute_dtype("auto", torch.device("cuda" if cuda else "cpu"))
-        self.can_sleep = cuda and sleep_mode
+        if cuda and self.dtype == torch.float32:  # Triton's tl.dot takes fp32 inputs as TF32 unless told
+            os.environ["TRITON_F32_DEFAULT"] = "ieee"
+        logging.getLogger(RELOAD_LOGGER).addFilter(not_rotary_reload_noise)
         self.logprobs = 0 if for_training else None  # the sampler's log-prob of each token: training only
         cpu_only = {} if cuda else {"enforce_eager": True, "enable_chunked_prefill": False}
         self.llm = LLM(model=model, distributed_executor_backend="external_launcher",
                        tensor_parallel_size=1, seed=0, dtype=str(self.dtype)[6:],
-                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.can_sleep,
+                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=cuda,
                        max_model_len=max_model_len, logprobs_mode="processed_logprobs",
                        load_format="dummy" if for_training else "auto",
                        cpu_distributed_timeout_seconds=7200, **cpu_only)  # vLLM's own groups: 2 h too
@@ -172,7 +177,9 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():  # False, not an error, while blocks are held
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight sync: KV computed "
+                               "with the old weights could be reused")
         self.asleep = False
 
     def logprobs_of(self, tokens):
@@ -182,9 +189,19 @@ class VLLMEngine:
         return [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], tokens[1:])]
 
     def sleep(self):
-        if self.can_sleep:
+        if self.cuda:
             self.llm.sleep(level=2)
             self.asleep = True
+
+
+ENGINE_PIDS = []  # the process that built this process's vLLM engine
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def not_rotary_reload_noise(record):
+    """False for "RotaryEmbedding: Failed to load weights", which every reload logs: nothing sends the
+    rotary cache (a non-persistent buffer), and vLLM keeps it as it was (docs/memory.md)."""
+    return not (record.msg == "%s: Failed to load weights" and str(record.args[0]).endswith("RotaryEmbedding"))
 
 
 def full_params(lm, dtype):
@@ -206,14 +223,14 @@ def sampler_logprobs(samples, valid):
 
 
 def make_engine(kind, model, tok, device, max_model_len, gpu_memory_utilization, for_training=True,
-                dtype=None, sleep_mode=True):
+                dtype=None):
     """--engine auto: vLLM when CUDA and vllm are present, else HF generate. dtype: the engine's
     weights (default: bf16 on CUDA, fp32 on CPU)."""
     dtype = dtype or compute_dtype("auto", device)
     if kind == "auto":
         kind = "vllm" if device.type == "cuda" and importlib.util.find_spec("vllm") else "hf"
     if kind == "vllm":
-        return VLLMEngine(model, tok, max_model_len, gpu_memory_utilization, for_training, dtype, sleep_mode)
+        return VLLMEngine(model, tok, max_model_len, gpu_memory_utilization, for_training, dtype)
     return HFEngine(model, device, dtype, tok.eos_token_id)
 
 

@@ -3,15 +3,16 @@
     python benchmarks/public_graders.py [--show-misses]
 
 tests/data/public_grader_cases.jsonl holds the answer-level cases of public graders' test suites
-(Math-Verify's tests/, the MATH grader's, NeMo-Skills', a Qwen2.5-Math grader's, and lm-evaluation-harness's
-Minerva examples), one JSON object a line: its source (repository@commit path::test), its class, the gold
-and the prediction, the source's verdict, and the verdict we hold right (`verdict`), which differs from
-the source's only where a `reason` says why.
+(Math-Verify's tests/, lighteval's extractive-match tests, the MATH grader's, NeMo-Skills', a Qwen2.5-Math
+grader's, and lm-evaluation-harness's Minerva examples), one JSON object a line: its source
+(repository@commit path::test), its class, the gold and the prediction, the source's verdict, and the
+verdict we hold right (`verdict`), which differs from the source's only where a `reason` says why.
 
-stapo: is_equivalent(pred, gold), where a side marked "text" (a whole response) first goes through
-extract_answer. Math-Verify (install math-verify in a separate environment: never a dependency of this
-project) runs each case the way its source runs it: Math-Verify's own cases with their test's extraction
-targets, precision and flags (its tests' `compare_strings`); the other graders' answer-level cases as
+stapo: is_equivalent(pred, gold), where a prediction marked "text" (a whole response) first goes through
+extract_answer, and a gold marked "text" (a whole solution) goes in as it is: is_equivalent reads its final
+answer. Math-Verify (install math-verify in a separate environment: never a dependency of this project)
+runs each case the way its source runs it: Math-Verify's own cases with their test's extraction targets,
+precision and flags (its tests' `compare_strings`); the other graders' answer-level cases as
 verify(parse("$gold$"), parse("\\boxed{pred}")), as benchmarks/reward.py does; a response as parse(text).
 Prints agreement with `verdict` per class, agreement with the sources' own verdicts, cases per second
 for both, and the cases each checker gets wrong.
@@ -34,13 +35,9 @@ def load(path=CASES):
 
 
 def stapo(case):
-    """Our verdict on one case: a response goes through extract_answer, an answer straight on."""
-    pred, gold = case["pred"], case["gold"]
-    if case["pred_kind"] == "text":
-        pred = extract_answer(pred)
-    if case["gold_kind"] == "text":
-        gold = extract_answer(gold) or gold
-    return pred is not None and is_equivalent(pred, gold)
+    """Our verdict on one case: a response goes through extract_answer, an answer or a gold straight on."""
+    pred = extract_answer(case["pred"]) if case["pred_kind"] == "text" else case["pred"]
+    return pred is not None and is_equivalent(pred, case["gold"])
 
 
 def math_verify_checker():

@@ -8,10 +8,12 @@ It runs the real commands, each in its own processes, on a few arithmetic proble
      (the probe's mean and largest gap, against stapo.SYNC_TOLERANCE), and the sampler-trainer gap is logged;
   2. stapo.py on 2 GPUs (if present; else 1) resumes from that checkpoint for 2 more steps, evaluating
      (--eval-every) at the last;
-  3. eval.py --judge, with the model judging itself (a second vLLM engine in the process of the first).
+  3. eval.py --judge, with the model judging itself: each rank's judge engine in a process of its own (vLLM
+     keeps process-wide state for one engine), on samples one of whose golds nothing matches.
 It prints one PASS/FAIL line per item, the peak memory of each phase (the GPUs' used memory, polled with
-nvidia-smi; on CPU the processes' resident set), and "smoke: N passed, M failed". On CPU it runs too, with
-vLLM's CPU build and a tiny model: that is how the tests run it (--engine vllm --dtype bf16 ...).
+nvidia-smi, all processes; on CPU the processes' resident set), the trainer's own peaks (peak_gb/*), and
+"smoke: N passed, M failed". On CPU it runs too, with vLLM's CPU build and a tiny model: that is how the
+tests run it (--engine vllm --dtype bf16 ...).
 """
 import argparse, json, os, shutil, subprocess, sys, threading, time
 
@@ -83,7 +85,8 @@ def main(argv=None):
     for old in ("run", "eval"):  # a fresh run: --resume must find this run's checkpoint, not an older one
         shutil.rmtree(os.path.join(out, old), ignore_errors=True)
     write_jsonl(os.path.join(out, "train.jsonl"), problems(32))
-    write_jsonl(os.path.join(out, "bench", "math500.jsonl"), problems(4))
+    bench = problems(4) + [{"id": "4", "problem": "What is 1 + 1?", "answer": "-7"}]  # the judge gets work
+    write_jsonl(os.path.join(out, "bench", "math500.jsonl"), bench)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
@@ -150,9 +153,14 @@ def checks(run_dir, eval_dir):
     samples = [json.loads(x) for x in open(path)] if os.path.exists(path) else []
     judged = bool(samples) and all("judged" in s for s in samples)
     out.append(("the judge saw every sample the rules rejected", judged, f"{len(samples)} samples"))
+    path = os.path.join(eval_dir, "results.json")
+    pids = json.load(open(path)) if os.path.exists(path) else {}
+    own = bool(pids.get("judge_pids")) and not set(pids["judge_pids"]) & set(pids["sampler_pids"])
+    out.append(("the judge's engines in processes of their own", own,
+                f"judge processes {pids.get('judge_pids')}, sampling processes {pids.get('sampler_pids')}"))
     for m in metrics[:1]:
         peaks = {k[8:]: round(v, 2) for k, v in m.items() if k.startswith("peak_gb/")}
-        print(f"  the trainer's peak memory by phase, step 1 (GiB): {peaks}")
+        print(f"  the trainer's peak memory by phase, step 1 (GiB, peak_gb/*: metrics.memory_peak): {peaks}")
     for m in metrics:
         print(f"  step {m['step']}: probe gap mean {m['sync_probe_gap_mean']:.2e} max {m['sync_probe_gap']:.2e}, "
               f"sampler gap mean {m['logprob_gap_mean'] or 0:.2e} max {m['logprob_gap_max'] or 0:.2e}")

@@ -152,10 +152,50 @@ def test_end_to_end_on_the_toy_model_and_compare(tiny, tmp_path):
     assert all(s["judge"] is None for s in judged if s["correct"])
     assert "avg@k rule+judge (%)" in (tmp_path / "b" / "summary.md").read_text()
     assert rb["math500"]["avg@k judged"] >= rb["math500"]["avg@k"]
-    assert json.load(open(tmp_path / "b" / "results.json"))["judge_s_per_judged_sample"] > 0
+    res_b = json.load(open(tmp_path / "b" / "results.json"))
+    assert res_b["judge_s_per_judged_sample"] > 0 and res_b["judge"] == model
+    assert res_b["judge_pids"] and not set(res_b["judge_pids"]) & set(res_b["sampler_pids"])  # a process of its own
     diff = rb["math500"]["avg@k"] - res["table"]["math500"]["avg@k"]
     assert f"| math500 | {res['table']['math500']['avg@k']:.2f} | {rb['math500']['avg@k']:.2f} | {diff:+.2f} |" \
         in r.stdout
+
+
+def test_a_failed_or_killed_judge_loses_nothing_and_a_rerun_judges_only_what_is_missing(tiny, tmp_path):
+    """The judge fails to start: eval.py exits non-zero and says how to finish, every sample and rule verdict on
+    disk. A judge process then SIGKILLed after 2 calls of 2 samples keeps those 4 verdicts, and --judge-only
+    judges the 8 others, each once, in a new process, and merges them in."""
+    model, data, out = str(tiny[0] / "model"), tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    for name in ("math500", "minerva"):  # golds no sample matches: all 12 samples go to the judge
+        (data / f"{name}.jsonl").write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i} + 1?",
+                                                                "answer": "-7"}) + "\n" for i in range(3)))
+    evaluate = [sys.executable, os.path.join(ROOT, "eval.py"), "--model", model, "--data-dir", str(data),
+                "--benchmarks", "math500,minerva", "--samples", "2", "--max-tokens", "8", "--out", str(out)]
+    judge = ["--judge", model, "--judge-max-tokens", "2"]
+    run = lambda cmd: subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)  # noqa: E731
+    r = run(evaluate + ["--judge", str(tmp_path / "no_such_judge")])
+    assert r.returncode == 1 and "12 rejected samples have no verdict" in r.stderr, r.stderr[-2000:]
+    assert f"python eval.py --judge-only --out {out} --judge" in r.stderr
+    samples = [json.loads(x) for x in open(out / "samples.jsonl")]
+    assert len(samples) == 12 and not any(s["correct"] or "judge" in s for s in samples)
+    assert json.load(open(out / "results.json"))["table"]["math500"]["avg@k"] == 0
+
+    r = run([sys.executable, os.path.join(ROOT, "tests", "judge_crash.py"), "2", "--judge-shard", "0/1",
+             "--out", str(out), *judge])
+    assert r.returncode == -9, r.stderr[-2000:]
+    killed = [json.loads(x) for x in open(out / "judged.0.jsonl") if x.strip()]
+    assert len(killed) == 4 and (out / "samples.jsonl").read_text() == "".join(json.dumps(s) + "\n" for s in samples)
+
+    r = run([sys.executable, os.path.join(ROOT, "eval.py"), "--judge-only", "--out", str(out), *judge])
+    assert r.returncode == 0, r.stderr[-2000:]
+    verdicts = [json.loads(x) for x in open(out / "judged.0.jsonl") if x.strip()]
+    keys = [(v["benchmark"], v["id"], v["sample"]) for v in verdicts]
+    assert verdicts[:4] == killed and len(keys) == len(set(keys)) == 12  # each judged once
+    assert len({v["pid"] for v in verdicts[4:]} - {v["pid"] for v in killed}) == 1
+    judged = [json.loads(x) for x in open(out / "samples.jsonl")]
+    assert [{k: s[k] for k in samples[0]} for s in judged] == samples  # the samples and rule verdicts as they were
+    assert all(s["judged"] == (s["judge"] == "A") for s in judged)
+    assert "avg@k judged" in json.load(open(out / "results.json"))["table"]["math500"]
 
 
 def test_malformed_benchmark_file_names_file_and_line(tmp_path):

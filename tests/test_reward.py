@@ -1,6 +1,8 @@
-"""reward.py: equivalence (true and false), public grader cases, hostile input, timeouts, fuzz."""
+"""reward.py: equivalence (true and false), public grader cases, DAPO's reward, hostile input, timeouts, fuzz."""
+import collections
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -10,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import reward
-from reward import extract_answer, extract_boxed, is_equivalent, score
+from reward import dapo_score, extract_answer, extract_boxed, is_equivalent, score, score_all
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -126,7 +128,7 @@ ISSUE23_EQUIVALENT = [
  ("-12;-11;-10", "\\{-12, -11, -10\\}"), ("(11,7)or(7,11)", "(7,11), (11,7)"),
  ("p=5,q=2;p=7,q=2", "(5,2),(7,2)"), ("(0;0;6),(4;-2;0)", "(4,-2,0),(0,0,6)"),
  ("\\boxed{(2, 2)} \\quad \\text{and} \\quad \\boxed{(6, 2)}", "(6,2), (2,2)"),
- ("\\(\\boxed{1}\\) and \\(\\boxed{-2}\\)", "-2, 1"),
+ ("\\(\\boxed{1}\\) and \\(\\boxed{-2}\\)", "-2, 1"), ("\\boxed{(2, 2)} \\text{ for (a) and } \\boxed{(6, 2)}", "(6,2), (2,2)"),
  ("(3,17,3,7), (3, 17, 3, 7), (17,3,3,7)", "(17,3,3,7), (3,17,3,7)"),
  # other graders' spellings: a choice with its text, a doubled backslash, a stray one, \textnormal, percentage
  ("C. x = 42", "C"), ("\\\\frac{1}{2}", "0.5"), ("185\\", "185"), ("125\\textnormal{ miles}", "125"),
@@ -147,8 +149,7 @@ ISSUE23_NOT_EQUIVALENT = [
  ("\\begin{pmatrix}1 & 2 \\\\ 3 & 4\\end{pmatrix} + \\begin{pmatrix}5 & 6 \\\\ 7 & 8\\end{pmatrix}",
   "\\begin{pmatrix}6 & 8 \\\\ 10 & 13\\end{pmatrix}"),
  ("-12;-11;-10", "\\{-12, -11\\}"), ("(11,7)or(7,11)", "(7,11)"), ("p=5,q=2;p=7,q=2", "(5,2),(2,7)"),
- ("(0;0;6)", "(0,6,0)"), ("\\boxed{(2, 2)} \\text{ for (a) and } \\boxed{(6, 2)}", "(6,2), (2,2)"),
- ("C. x = 42", "D"), ("185\\", "18"),
+ ("(0;0;6)", "(0,6,0)"), ("C. x = 42", "D"), ("185\\", "18"),
 ]
 
 
@@ -253,6 +254,105 @@ def test_score():
     assert score("\\boxed{}", "0") == -1.0
 
 
+def test_an_unboxed_latex_fraction_or_root_is_read_whole():
+    assert extract_answer("So x = \\frac{10}{9}.") == "\\frac{10}{9}"  # not its last digit, 9
+    assert extract_answer("x=\\dfrac{1}{3}") == "\\dfrac{1}{3}"
+    assert extract_answer("Thus the ratio is \\frac12, in lowest terms.") == "\\frac12"
+    assert extract_answer("Therefore x = 2\\sqrt{3}") == "2\\sqrt{3}"
+    assert extract_answer("So we need 1\\frac{4}{5} cups.") == "1\\frac{4}{5}"
+    assert extract_answer("Therefore, there are 12 such sequences.") == "12"  # plain numbers as before
+    assert is_equivalent(extract_answer("So x = \\frac{10}{9}."), "10/9")
+    assert not is_equivalent(extract_answer("So x = \\frac{10}{9}."), "9")
+
+
+def test_boxes_joined_by_a_phrase_count_together_against_a_gold_of_several_parts():
+    parts = "\\boxed{(3, 3)} for part (a) and \\boxed{(1, 1)}"
+    assert score(parts, "(3, 3), (1, 1)") == 1.0 and is_equivalent(parts, "(1, 1), (3, 3)")
+    assert score("$y_1 = \\boxed{2}$ and $y_2 = \\boxed{5}$", "y_1 = 2, y_2 = 5") == 1.0
+    assert is_equivalent("\\boxed{1,2}", "\\boxed{1}\\boxed{2}")  # a gold boxed in parts
+    three = "\\boxed{1} and \\boxed{2} and \\boxed{3}"
+    assert score(three, "1, 2, 3") == 1.0 and score(three, "2, 3") == -1.0  # all the parts, no more
+    assert score("\\boxed{1} no no no \\boxed{2}", "1, 2") == -1.0  # words that join nothing
+    assert score("\\boxed{2} is wrong, so \\boxed{3}", "2, 3") == -1.0
+
+
+def test_a_gold_of_one_part_is_graded_on_the_final_box_only():
+    parts = "\\boxed{(3, 3)} for part (a) and \\boxed{(1, 1)}"
+    assert score(parts, "(1, 1)") == 1.0 and score(parts, "(3, 3)") == -1.0
+    draft = "First we get \\boxed{3}. Checking again, the answer is \\boxed{7}."
+    assert score(draft, "7") == 1.0 and score(draft, "3") == -1.0
+    assert score(draft, "3, 7") == -1.0  # a sentence ends between the boxes: the draft is no part
+    assert score("\\boxed{3}\\boxed{7}", "7") == 1.0 and score("\\boxed{3}\\boxed{7}", "3") == -1.0
+
+
+def test_a_gold_written_as_a_whole_solution_counts_by_its_final_answer():
+    assert score("\\boxed{5}", "The answer is $\\boxed{5}$.") == 1.0
+    solution = "We add 2 and 3 to get a sum. " * 40 + "So the sum is $\\boxed{5}$."
+    assert len(solution) > reward.MAX_LEN and score("\\boxed{5}", solution) == 1.0
+    assert score("\\boxed{2}", solution) == -1.0 and score("\\boxed{3}", solution) == -1.0
+    assert is_equivalent("5", "We add 2 and 3, so the answer is 5.")
+    assert not is_equivalent("3", "We add 2 and 3, so the answer is 5.")
+    assert is_equivalent("-2, 1", "so the solutions are $n = \\boxed{1,-2}.$")
+
+
+def test_dapo_score_is_the_last_box_as_an_exact_string():
+    """verl's math_dapo.compute_score(text, gold, strict_box_verify=True), as JustRL trains with it."""
+    assert dapo_score("so the answer is $\\boxed{42}$.", "42") == 1.0
+    assert dapo_score("\\boxed{41}, no: \\boxed{42}", "42") == 1.0  # the last box counts
+    assert dapo_score("\\boxed{41}, no: \\boxed{42}", "41") == -1.0
+    assert dapo_score("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}") == 1.0  # nested braces
+    assert dapo_score("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}") == 1.0
+    assert dapo_score("\\boxed{\\boxed{7}}", "7") == 1.0  # the last `\boxed{` is the inner one
+
+
+@pytest.mark.parametrize("box,gold", [("0.5", "1/2"), ("\\frac{1}{2}", "\\frac12"), ("\\dfrac{1}{2}", "\\frac{1}{2}"),
+                                      (" 42 ", "42"), ("42", " 42"), ("x = 42", "42"), ("42^\\circ", "42")])
+def test_dapo_score_never_normalises(box, gold):
+    """A right answer written another way: wrong for DAPO, right for the equivalence checker."""
+    assert dapo_score("\\boxed{%s}" % box, gold) == -1.0
+    assert score("\\boxed{%s}" % box, gold) == 1.0
+
+
+def test_dapo_score_reads_only_the_last_100_characters():
+    boxed = "x" * 500 + "\\boxed{42}"
+    assert dapo_score(boxed + "." * 90, "42") == 1.0  # the box starts 100 characters from the end
+    assert dapo_score(boxed + "." * 91, "42") == -1.0  # one more and its backslash is cut off
+    assert dapo_score("\\boxed{42}" + " and so on" * 15, "42") == -1.0  # 150 characters after a right box
+    assert dapo_score("\\boxed{" + "1" * 95 + "}", "1" * 95) == -1.0  # opened before the window
+    assert dapo_score("\\boxed{" + "y" * 95 + "\\boxed{7}}", "7") == 1.0  # its inner box is in the window
+
+
+def test_dapo_score_without_a_closed_box_is_wrong():
+    assert dapo_score("The answer is 42.", "42") == -1.0
+    assert dapo_score("\\boxed 42", "42") == -1.0 and dapo_score("\\fbox{42}", "42") == -1.0
+    assert dapo_score("\\boxed{42} then \\boxed{43", "42") == -1.0  # the last box never closes
+    assert dapo_score("\\boxed{\\{42}", "\\{42") == -1.0  # an escaped brace counts: the box never closes
+    assert dapo_score("}} \\boxed{", "") == -1.0
+
+
+def test_score_all_takes_either_reward():
+    texts, golds = ["\\boxed{0.5}", "\\boxed{1/2}", "no box"], ["1/2"] * 3
+    assert score_all(texts, golds, reward="dapo") == [-1.0, 1.0, -1.0]
+    assert score_all(texts, golds) == score_all(texts, golds, reward="equiv") == [1.0, 1.0, -1.0]
+    with pytest.raises(ValueError):
+        score_all(texts, golds, reward="math")
+
+
+def test_dapo_and_the_checker_disagree_on_the_public_responses():
+    """The public graders' whole responses against their answer golds (93): the two rewards' verdicts, as
+    measured, with each gold as a dataset stores it (Math-Verify's `$..$` off), and as written."""
+    suite = _load("public_graders", "benchmarks/public_graders.py")
+    cases = [c for c in suite.load() if c["pred_kind"] == "text" and c["gold_kind"] == "answer"]
+    pairs, raw = collections.Counter(), 0
+    for c in cases:
+        dollars = re.fullmatch(r"\$+(.*?)\$+", c["gold"].strip(), re.S)
+        gold = dollars.group(1).strip() if dollars else c["gold"]
+        pairs[dapo_score(c["pred"], gold), score(c["pred"], gold)] += 1
+        raw += dapo_score(c["pred"], c["gold"]) != score(c["pred"], c["gold"])
+    assert pairs == {(1.0, 1.0): 29, (-1.0, -1.0): 50, (-1.0, 1.0): 14}  # DAPO never credits what we reject
+    assert raw == 39
+
+
 def test_hostile_payloads_never_run(tmp_path):
     marker = tmp_path / "pwned"
     for payload in [f"__import__('os').system('touch {marker}')",
@@ -273,6 +373,16 @@ def test_absurd_inputs_are_refused_quickly(absurd):
     t0 = time.monotonic()
     assert not is_equivalent(absurd, "1")
     assert time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.parametrize("text", ["\\boxed{" * 20000, "\\boxed{1} and " * 20000, "\\boxed " * 50000,
+                                  "{" * 100000 + "\\boxed{1}", "\\boxed{1}\\boxed{2}" * 20000,
+                                  "\\boxed{1} and" + " " * 100000 + "x \\boxed{2}"])
+def test_long_hostile_completions_are_graded_quickly(text):
+    reward._worker()
+    t0 = time.monotonic()
+    assert score(text, "1, 2") == -1.0 and dapo_score(text, "2") in (1.0, -1.0)
+    assert time.monotonic() - t0 < 2.0  # one pass over the braces, not one per box; no regex backtracking
 
 
 def test_a_check_that_hangs_is_cut_at_the_timeout():
@@ -349,6 +459,7 @@ def test_fuzz_never_raises_and_returns_within_timeout(a, b):
 def test_fuzz_arbitrary_text(a):
     assert isinstance(is_equivalent(a, "1", timeout=1.0), bool)
     assert isinstance(extract_boxed(a), (str, type(None))) and isinstance(extract_answer(a), (str, type(None)))
+    assert dapo_score(a, "1") in (1.0, -1.0) and score(a, "1, 2") in (1.0, -1.0)
 
 
 def test_worker_start_up_never_eats_a_checks_timeout(monkeypatch):

@@ -7,6 +7,7 @@ sleep/wake order is checked on tests/fake_vllm), bf16 weights, CUDA graphs, chun
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -20,8 +21,6 @@ import problems
 import parallel
 import metrics
 import stapo
-
-pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves these out
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 real_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -41,8 +40,9 @@ def run(cmd, timeout=600):
 def test_real_engine_sync_seeds_and_self_check(tiny_vllm, tmp_path):
     model = str(tiny_vllm[0] / "model")
     check = os.path.join(ROOT, "tests", "vllm_engine_check.py")
-    run([sys.executable, check, model, str(tmp_path / "synced.json"), "synced"])
+    r = run([sys.executable, check, model, str(tmp_path / "synced.json"), "synced"])
     run([sys.executable, check, model, str(tmp_path / "loaded.json"), "loaded"])
+    assert "RotaryEmbedding: Failed to load weights" not in r.stdout + r.stderr  # every sync's noise, filtered
     synced, loaded = (json.load(open(tmp_path / f"{n}.json")) for n in ("synced", "loaded"))
     assert synced["rank_env"] == "0"  # a plain `python` launch: the engine set what the external launcher reads
     # dummy load -> first sync -> the same tokens as an engine that loaded the model normally, same seeds
@@ -76,18 +76,33 @@ def test_real_engine_trains_on_two_ranks_resumes_and_evaluates(tiny_vllm, tmp_pa
     assert m[0]["grad_norm"] > 0 and json.load(open(out / "config.json"))["world_size"] == 2
     print("vLLM CPU log-prob gap, per step (mean, max):", [(x["logprob_gap_mean"], x["logprob_gap_max"]) for x in m])
 
+
+
+@real_vllm
+@pytest.mark.slow
+def test_real_engine_judge_runs_in_a_process_of_its_own_on_two_ranks(tiny_vllm, tmp_path):
+    """eval.py --judge on 2 ranks: each rank's policy engine samples, then each rank starts a judge process
+    whose engine is the only one it ever builds (rollout.VLLMEngine refuses a second in a process); every
+    rejected sample gets a verdict, from processes that are not the samplers'."""
+    d, _ = tiny_vllm
     data = tmp_path / "bench"
     data.mkdir()
+    golds = ["1", "2", "3", "-7"]  # the last one no sample matches: the judge always has work
     (data / "math500.jsonl").write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i} + 1?",
-                                                            "answer": str(i + 1)}) + "\n" for i in range(3)))
+                                                            "answer": g}) + "\n" for i, g in enumerate(golds)))
     (tmp_path / "judge.txt").write_text("Q:{question} G:{gold_answer} R:{llm_response} V:")  # fits 256 positions
-    run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", str(out / "model"), "--engine", "vllm",
-         "--data-dir", str(data), "--benchmarks", "math500", "--samples", "2", "--max-tokens", "8",
-         "--out", str(tmp_path / "eval"), "--judge", str(d / "model"), "--judge-prompt", str(tmp_path / "judge.txt")])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    run(torchrun + [os.path.join(ROOT, "eval.py"), "--model", str(d / "model"), "--engine", "vllm", "--data-dir",
+                    str(data), "--benchmarks", "math500", "--samples", "2", "--max-tokens", "8", "--out",
+                    str(tmp_path / "eval"), "--judge", str(d / "model"), "--judge-prompt", str(tmp_path / "judge.txt")])
     samples = [json.loads(x) for x in open(tmp_path / "eval" / "samples.jsonl")]
-    assert len(samples) == 3 * 2 and all(s["length"] >= 1 for s in samples)
-    # a second vLLM engine (the judge) in the same process, after the policy's: every rejected sample judged
+    assert len(samples) == 4 * 2 and all(s["length"] >= 1 for s in samples)
     assert all("judge" in s and s["judged"] == (s["correct"] or s["judge"] == "A") for s in samples)
+    results = json.load(open(tmp_path / "eval" / "results.json"))
+    verdicts = [json.loads(x) for f in (tmp_path / "eval").glob("judged.*.jsonl") for x in open(f) if x.strip()]
+    assert len(verdicts) == sum(not s["correct"] for s in samples) > 0
+    assert len(set(results["sampler_pids"])) == 2 and results["judge_pids"] == sorted({v["pid"] for v in verdicts})
+    assert not set(results["judge_pids"]) & set(results["sampler_pids"])  # the two engines: different processes
 
 
 @real_vllm
@@ -119,8 +134,8 @@ def test_the_gpu_smoke_test_runs_on_cpu(tiny_vllm_tied, tmp_path):
     r = run([sys.executable, os.path.join(ROOT, "examples", "gpu_smoke.py"), "--model", str(d / "model"), "--out",
              str(tmp_path / "smoke"), "--engine", "vllm", "--dtype", "bf16", "--gpus", "2", "--max-prompt-len", "128",
              "--max-tokens", "16", "--judge-prompt", str(tmp_path / "judge.txt")])
-    assert "smoke: 8 passed, 0 failed" in r.stdout, r.stdout[-3000:]
-    assert r.stdout.count("PASS") == 8 and "FAIL" not in r.stdout
+    assert "smoke: 9 passed, 0 failed" in r.stdout, r.stdout[-3000:]
+    assert r.stdout.count("PASS") == 9 and "FAIL" not in r.stdout
 
 
 # ---- the GPU path's order, on a fake --------------------------------------------------------------------
@@ -136,6 +151,8 @@ def fake_vllm(monkeypatch):
     vllm.CALLS.clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: vllm.CALLS.append(("empty_cache",)))
+    monkeypatch.setattr(rollout, "ENGINE_PIDS", [])  # a test is a process of its own
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
     yield vllm
     sys.modules.pop("vllm", None)
 
@@ -171,15 +188,62 @@ def test_the_fake_enforces_the_real_limits(fake_vllm):
     llm = fake_vllm.LLM("m", enable_sleep_mode=False)
     with pytest.raises(ValueError, match="not enabled"):
         llm.sleep(level=2)
+    del llm
+    for sleep_mode in (True, False):  # a second engine, with or without sleep mode, even once the first is gone
+        with pytest.raises(RuntimeError, match="a second vLLM engine in process"):
+            fake_vllm.LLM("judge", enable_sleep_mode=sleep_mode)
+    fake_vllm.BUILT.clear()
     llm = fake_vllm.LLM("m", enable_sleep_mode=True)
     llm.sleep(level=2)
     with pytest.raises(RuntimeError, match="sleeping"):
         llm.generate([{"prompt_token_ids": [1]}], [fake_vllm.SamplingParams(n=1)])
-    with pytest.raises(AssertionError, match="one instance per process"):  # asleep, it still holds CuMem
-        fake_vllm.LLM("judge", enable_sleep_mode=True)
-    fake_vllm.LLM("judge", enable_sleep_mode=False)  # the normal allocator: no conflict
-    del llm
-    fake_vllm.LLM("next", enable_sleep_mode=True)  # once the first is gone, a new one may use CuMem
+
+
+def test_one_vllm_engine_per_process_whatever_the_fake(tiny, fake_vllm):
+    """rollout.VLLMEngine itself refuses a second engine in a process, before vLLM is asked for one: on the
+    real CPU build too, which has no such limit of its own."""
+    d, tok = tiny
+    rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55)
+    fake_vllm.BUILT.clear()
+    with pytest.raises(RuntimeError, match="a second vLLM engine .* in process"):
+        rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55, for_training=False)
+    assert rollout.ENGINE_PIDS == [os.getpid()]
+
+
+@pytest.mark.parametrize("dtype,ieee", [(torch.float32, True), (torch.bfloat16, False)])
+def test_fp32_on_a_gpu_makes_tritons_attention_true_fp32(tiny, fake_vllm, dtype, ieee):
+    """fp32 on CUDA selects vLLM's Triton attention, whose tl.dot calls name no input_precision: Triton then
+    reads TRITON_F32_DEFAULT, else computes fp32 dots in TF32. The engine sets it to ieee for fp32 only."""
+    d, tok = tiny
+    rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55, dtype=dtype)
+    assert fake_vllm.CALLS[0][1]["dtype"] == str(dtype)[6:]
+    assert os.environ.get("TRITON_F32_DEFAULT") == ("ieee" if ieee else None)
+
+
+def test_a_prefix_cache_that_cannot_be_reset_stops_the_sync(tiny, fake_vllm, monkeypatch):
+    d, tok = tiny
+    engine = rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55)
+    monkeypatch.setattr(engine.llm, "reset_prefix_cache", lambda: False)  # vLLM: blocks still held
+    with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
+        engine.load_weights(iter([("a.weight", torch.zeros(2))]))
+
+
+def test_the_rotary_reload_warning_is_filtered_and_no_other(tiny, fake_vllm):
+    """Every reload logs "RotaryEmbedding: Failed to load weights" (vLLM keeps its rotary cache, which nothing
+    sends: model_loader/reload/layerwise.py:255-267); the engine drops that line, and only that one."""
+    d, tok = tiny
+    rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55)
+    log, seen = logging.getLogger(rollout.RELOAD_LOGGER), []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log.addHandler(handler)
+    try:
+        log.warning("%s: Failed to load weights", "RotaryEmbedding")
+        log.warning("%s: Failed to load weights", "QKVParallelLinear")
+        log.warning("%s: Delayed processing", "RotaryEmbedding")
+    finally:
+        log.removeHandler(handler)
+    assert seen == ["QKVParallelLinear: Failed to load weights", "RotaryEmbedding: Delayed processing"]
 
 
 @pytest.fixture
@@ -188,30 +252,30 @@ def process_group():
     parallel.init_distributed()
 
 
-def test_the_judge_path_builds_one_sleep_mode_engine_per_process(tiny, tmp_path, process_group, fake_vllm,
-                                                                 monkeypatch):
-    """eval.py --judge on the GPU path: the policy's engine (sleep mode) generates and sleeps, then the
-    judge's engine is built without sleep mode (two CuMem engines in one process raise, as vLLM's GPU
-    worker does), after a barrier on the project's own group."""
+def test_the_judge_path_builds_one_engine_per_process(tiny, tmp_path, process_group, fake_vllm, monkeypatch):
+    """eval.py --judge on the GPU path: the policy's engine (sleep mode) generates and sleeps, every rank waits
+    at a barrier on the project's own group, then a judge process of its own (the fake in it too) builds the
+    judge's engine; the fake raises on a second engine in a process, as vLLM's GPU build would fail."""
     import eval as ev
     d, tok = tiny
     (tmp_path / "math500.jsonl").write_text('{"id": "0", "problem": "What is 1 + 1?", "answer": "2"}\n')
     barriers = []
     monkeypatch.setattr(torch.distributed, "barrier", lambda: barriers.append(len(fake_vllm.CALLS)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.path.join(ROOT, "tests", "fake_vllm"), ROOT]))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(tmp_path / "built.jsonl"))
     args = types.SimpleNamespace(model=str(d / "model"), judge=str(d / "model"), engine="vllm", dtype="auto",
                                  gpu_memory_utilization=0.85, judge_gpu_memory_utilization=0.5, max_tokens=4,
                                  samples=1, data_dir=str(tmp_path), limit=None, chat_template=True,
                                  enable_thinking=False, seed=0, sources={}, unboxed=False, judge_prompt=None,
-                                 judge_max_tokens=2, out=str(tmp_path / "out"), preset="train")
+                                 judge_max_tokens=2, out=str(tmp_path / "out"), preset="train", judge_only=False)
     ev.run(args, ["math500"], 1.0, 1.0, 0, 1, torch.device("cpu"))
-    built = [c[1] for c in fake_vllm.CALLS if c[0] == "LLM"]
-    assert [b["enable_sleep_mode"] for b in built] == [True, False]
-    assert [b["gpu_memory_utilization"] for b in built] == [0.85, 0.5]
-    first_judge_call = next(i for i, c in enumerate(fake_vllm.CALLS) if c[0] == "LLM" and c[1]["model"] == args.judge
-                            and not c[1]["enable_sleep_mode"])
-    assert ("sleep", 2) in fake_vllm.CALLS[:first_judge_call]  # the policy's engine sleeps first
-    assert barriers and barriers[0] <= first_judge_call  # every rank done before the judge's engine starts
-    assert json.load(open(tmp_path / "out" / "results.json"))["table"]["math500"]["n"] == 1
+    built = [json.loads(x) for x in open(tmp_path / "built.jsonl")]
+    assert [(b["pid"] == os.getpid(), b["enable_sleep_mode"]) for b in built] == [(True, True), (False, False)]
+    assert [c[0] for c in fake_vllm.CALLS if c[0] in ("LLM", "sleep")] == ["LLM", "sleep"]  # asleep, then judged
+    assert barriers and barriers[0] == len(fake_vllm.CALLS)  # every rank done before the judge's process starts
+    samples = [json.loads(x) for x in open(tmp_path / "out" / "samples.jsonl")]
+    assert all("judged" in s for s in samples)  # the fake's "\x01\x02" reply is no verdict, nor a crash
+    assert json.load(open(tmp_path / "out" / "results.json"))["judge_pids"] == [built[1]["pid"]]
 
 
 class RecordingEngine(rollout.HFEngine):

@@ -3,18 +3,22 @@
 Every call is recorded in CALLS, in order. It enforces the real limits that the GPU path would hit:
 sleep needs enable_sleep_mode, a sleeping engine cannot generate, wake_up needs a sleeping engine,
 allowed_token_ids is capped at 1,024 (MAX_NUM_ALLOWED_TOKEN_IDS in vLLM 0.32's default model runner),
-and a process holds one sleep-mode engine: sleep mode puts vLLM's weights on its CuMem allocator, a
-process-wide singleton whose load_model asserts that nothing else is allocated on it, and a sleeping
-engine's allocations still count ("CuMem allocator can only be used for one instance per process",
-vllm/v1/worker/gpu_worker.py, _maybe_get_memory_pool_context; vllm/device_allocator/cumem.py).
+and a process builds one engine, ever. vLLM 0.32's GPU build keeps process-wide state for one engine:
+the rotary modules in _ROPE_DICT (model_executor/layers/rotary_embedding/__init__.py:29,84-85,351),
+cleared only at an engine's shutdown, whose buffers sit in the sleeping engine's unmapped CuMem pool;
+the CuMem allocator singleton ("CuMem allocator can only be used for one instance per process",
+v1/worker/gpu_worker.py:399-401), whose pools any engine's shutdown releases (gpu_worker.py:1628-1634).
+With FAKE_VLLM_LOG set, each build appends {"pid", "model", "enable_sleep_mode"} to that file.
+reset_prefix_cache returns True, as the real one does once no request holds a block (block_pool.py:827-843).
 Generation returns fixed tokens: the real engine's sampling is tested against vLLM's CPU build.
 """
-import weakref
+import json
+import os
 from types import SimpleNamespace
 
 CALLS = []
 MAX_NUM_ALLOWED_TOKEN_IDS = 1024
-_ON_CUMEM = weakref.WeakSet()  # the live engines built with sleep mode
+BUILT = []  # the models this process built an engine for: one at most
 
 
 class SamplingParams:
@@ -26,12 +30,16 @@ class SamplingParams:
 
 class LLM:
     def __init__(self, model, **kwargs):
-        if kwargs.get("enable_sleep_mode") and len(_ON_CUMEM):
-            raise AssertionError("CuMem allocator can only be used for one instance per process.")
+        if BUILT:
+            raise RuntimeError(f"a second vLLM engine in process {os.getpid()} (its first: {BUILT[0]}): vLLM "
+                               "keeps process-wide state for one engine")
+        BUILT.append(model)
         CALLS.append(("LLM", {"model": model, **kwargs}))
         self.kwargs, self.asleep = kwargs, set()
-        if kwargs.get("enable_sleep_mode"):
-            _ON_CUMEM.add(self)
+        if os.environ.get("FAKE_VLLM_LOG"):
+            with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+                f.write(json.dumps({"pid": os.getpid(), "model": model,
+                                    "enable_sleep_mode": kwargs.get("enable_sleep_mode")}) + "\n")
 
     def sleep(self, level=1):
         if not self.kwargs.get("enable_sleep_mode"):
@@ -52,6 +60,7 @@ class LLM:
 
     def reset_prefix_cache(self):
         CALLS.append(("reset_prefix_cache",))
+        return True  # generate() returns only once its requests are done: no block is held
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
         if self.asleep:
