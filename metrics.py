@@ -4,6 +4,7 @@ W&B or TensorBoard when asked; the silenced tokens in their context, to silenced
 """
 import json
 import os
+import sys
 import time
 
 import torch
@@ -19,10 +20,10 @@ SUMS = ("samples", "correct", "reward", "flat_groups", "tokens", "valid", "entro
 
 
 def memory_peak():
-    """GiB, and reset: on CUDA torch's peak allocation (the trainer's tensors; vLLM's own pool aside),
-    on CPU the process's peak resident set (Linux), each since the previous call."""
+    """GiB, and reset: on CUDA the trainer's peak allocation (torch's, less what vLLM holds in its own
+    pool), on CPU the process's peak resident set (Linux), each since the previous call."""
     if torch.cuda.is_available():
-        gb = torch.cuda.max_memory_allocated() / 2**30
+        gb = (torch.cuda.max_memory_allocated() - vllm_pool_bytes()) / 2**30
         torch.cuda.reset_peak_memory_stats()
         return gb
     with open("/proc/self/status") as f:
@@ -30,6 +31,17 @@ def memory_peak():
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the high-water mark starts again from the resident set now
     return gb
+
+
+def vllm_pool_bytes():
+    """The bytes torch has allocated in the segments of vLLM's CuMem pool: sleep mode's weights, KV cache
+    and buffers, which torch's counters include, asleep or awake (sleeping unmaps, and frees nothing)."""
+    cumem = sys.modules.get("vllm.device_allocator.cumem")  # imported by an engine with sleep mode
+    allocator = cumem.CuMemAllocator.instance if cumem else None
+    if allocator is None:
+        return 0
+    ours = allocator.pointer_to_data  # a segment's address -> vLLM's allocation there
+    return sum(s["allocated_size"] for s in torch.cuda.memory_snapshot() if s["address"] in ours)
 
 
 class StepMetrics:

@@ -70,6 +70,7 @@ def test_verl_layout_of_justrl_files(fmt, tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir(BENCH), reason="../shared/data/benchmarks is absent")
+@pytest.mark.slow  # subprocesses: the CLIs, or a whole training run
 def test_justrl_olympiadbench_variant_from_the_command_line(tiny, tmp_path):
     """JustRL's 674-row OlympiadBench (relay problems given a concrete T, id 1965 dropped, golds in $...$)
     loads through --source; a malformed --source is refused by name."""
@@ -119,6 +120,7 @@ def six_benchmarks(d, bad=None):
     return d
 
 
+@pytest.mark.slow  # subprocesses: the CLIs, or a whole training run
 def test_end_to_end_on_the_toy_model_and_compare(tiny, tmp_path):
     model = str(tiny[0] / "model")
     data = six_benchmarks(tmp_path / "data")
@@ -204,12 +206,14 @@ def test_malformed_benchmark_file_names_file_and_line(tmp_path):
         ev.load_benchmark("minerva", str(data))
 
 
+@pytest.mark.slow  # subprocesses: the CLIs, or a whole training run
 def test_bad_arguments(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", "x", "--benchmarks", "gsm8k"],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and "unknown ['gsm8k']" in r.stderr
 
 
+@pytest.mark.slow  # subprocesses: the CLIs, or a whole training run
 def test_eval_during_training(tiny, tmp_path):
     d, _ = tiny
     data = six_benchmarks(tmp_path / "data")
@@ -284,6 +288,7 @@ def test_seeds_of_two_runs_share_no_sample():
     assert len(a) == len(b) == 30 * 32 and not a & b
 
 
+@pytest.mark.slow  # subprocesses: the CLIs, or a whole training run
 def test_the_clis_exit_cleanly_again_and_again_on_a_loaded_machine(tiny, tmp_path):
     """A process group or reward workers left alive at exit made eval.py abort now and then under load
     ('terminate called without an active exception', SIGABRT). Two CPU burners load both cores."""

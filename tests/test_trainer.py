@@ -578,3 +578,25 @@ def test_a_tied_model_trains_on_one_and_two_ranks_resumes_and_exports_tied(tiny,
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
     assert after.lm_head.weight is after.model.embed_tokens.weight
     assert not torch.allclose(after.lm_head.weight, before.lm_head.weight)
+
+
+def test_memory_peak_on_cuda_leaves_out_what_torch_allocated_in_vllms_pool(monkeypatch):
+    """On a GPU, vLLM's sleep mode allocates through torch's allocator in a pool of its own (CuMemAllocator,
+    whose pointer_to_data is keyed by each segment's address), so torch's peak counts vLLM's weights and KV
+    cache in every phase; peak_gb/* is the trainer's own. The segments outside that pool still count."""
+    import types
+    import metrics
+    gib = 2**30
+    segments = [{"address": 1000, "allocated_size": 40 * gib},  # vLLM's weights and KV cache, asleep or not
+                {"address": 2000, "allocated_size": 3 * gib},   # the trainer's
+                {"address": 3000, "allocated_size": 2 * gib}]   # vLLM's too
+    allocator = types.SimpleNamespace(pointer_to_data={1000: object(), 3000: object()})
+    cumem = types.SimpleNamespace(CuMemAllocator=types.SimpleNamespace(instance=allocator))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 50 * gib)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
+    assert metrics.memory_peak() == 8.0
+    monkeypatch.delitem(sys.modules, "vllm.device_allocator.cumem")  # no engine with sleep mode: all counts
+    assert metrics.memory_peak() == 50.0

@@ -25,6 +25,7 @@ import stapo
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 real_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                reason="vLLM's CPU build is absent: pip install -r requirements-dev.txt")
+pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves these out
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -79,7 +80,6 @@ def test_real_engine_trains_on_two_ranks_resumes_and_evaluates(tiny_vllm, tmp_pa
 
 
 @real_vllm
-@pytest.mark.slow
 def test_real_engine_judge_runs_in_a_process_of_its_own_on_two_ranks(tiny_vllm, tmp_path):
     """eval.py --judge on 2 ranks: each rank's policy engine samples, then each rank starts a judge process
     whose engine is the only one it ever builds (rollout.VLLMEngine refuses a second in a process); every
