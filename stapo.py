@@ -12,21 +12,20 @@ import argparse
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from checkpoint import load_checkpoint, save_checkpoint, save_hf
 from eval import evaluate_during_training, longest_prompt
+from head import ChunkedHead
 from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after
-from parallel import all_reduce_numbers, check_shared_out, gather, gather_cat, init_distributed, require_shared
+from parallel import all_reduce_numbers, check_shared_out, gather, gather_cat, init_distributed
 from problems import encode_problems, load_problems, probe_tokens, seed_of, step_prompts
 from reward import score_all
 from rollout import compute_dtype, full_params, make_engine, sampler_logprobs
@@ -181,77 +180,6 @@ def entropy_change(logp, entropy, collision, pi2_log_pi, weight):
     return -weight * (logp.exp() * (logp + entropy) - (pi2_log_pi + entropy * collision))
 
 
-class _ChunkedHead(torch.autograd.Function):
-    """log p(token), with H, sum(pi^2) and sum(pi^2 log pi) of each position, from hidden states.
-
-    The forward takes `chunk` tokens at a time, one [chunk, V] fp32 logits buffer (and its exp).
-    The backward recomputes the logits a slice of the vocabulary at a time, [M, V'] with M * V' no
-    more than chunk * V, and applies d log p_y / d z = (onehot(y) - softmax(z)) / T: each slice of
-    the lm_head gradient is written once, only the small [M, D] hidden gradient is accumulated
-    (in fp32), and [M, V] never exists.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, tokens, temperature, chunk_size):
-        logp, logz = (hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(2))
-        stats = hidden.new_empty(len(hidden), 3, dtype=torch.float32)  # H, sum pi^2, sum pi^2 log pi
-        rows = min(chunk_size, len(hidden))  # three [chunk, V] buffers, reused by every chunk
-        buffers = [hidden.new_empty(rows, len(weight), dtype=torch.float32) for _ in range(3)]
-        for i in range(0, len(hidden), chunk_size):
-            j = slice(i, i + chunk_size)
-            z, e, product = (b[:len(hidden[j])] for b in buffers)
-            h = hidden[j].to(weight.dtype)
-            torch.mm(h, weight.T, out=z) if weight.dtype == z.dtype else z.copy_(h @ weight.T)
-            top = z.div_(temperature).amax(-1, keepdim=True)
-            z.sub_(top)  # z <= 0, the mode at 0: no cancellation in H for peaked distributions
-            total = torch.exp(z, out=e).sum(-1)  # e = pi * total
-            log_total = total.log()
-            logz[j] = top[:, 0] + log_total
-            logp[j] = z.gather(-1, tokens[j, None])[:, 0] - log_total
-            stats[j, 0] = log_total - torch.mul(e, z, out=product).sum(-1) / total  # -sum pi log pi
-            e.square_()  # pi^2 total^2
-            stats[j, 1] = e.sum(-1) / total ** 2
-            stats[j, 2] = torch.mul(e, z, out=product).sum(-1) / total ** 2 - log_total * stats[j, 1]
-        ctx.save_for_backward(hidden, weight, tokens, logz)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.mark_non_differentiable(stats)
-        return logp, stats
-
-    @staticmethod
-    def backward(ctx, grad_logp, _grad_stats):
-        hidden, weight, tokens, logz = ctx.saved_tensors
-        h, temperature = hidden.to(weight.dtype), ctx.temperature
-        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        grad_w = torch.empty_like(weight)
-        width = max(1, ctx.chunk_size * weight.shape[0] // max(1, len(hidden)))
-        rows = torch.arange(len(hidden), device=hidden.device)
-        scale = grad_logp / temperature
-        buffer = hidden.new_empty(len(hidden) * width, dtype=torch.float32)  # one [M, V'] for every slice
-        for v in range(0, weight.shape[0], width):
-            w = weight[v:v + width]
-            z = buffer[:len(hidden) * len(w)].view(len(hidden), len(w))
-            torch.mm(h, w.T, out=z) if weight.dtype == z.dtype else z.copy_(h @ w.T)
-            g = z.div_(temperature).sub_(logz[:, None]).exp_().mul_(-scale[:, None])  # -g softmax(z) / T
-            here = (tokens >= v) & (tokens < v + width)
-            g[rows[here], tokens[here] - v] += scale[here]  # + g * onehot(y) / T
-            g = g.to(weight.dtype)
-            torch.mm(g.T, h, out=grad_w[v:v + width])  # this slice of the lm_head gradient, once
-            grad_h += g @ w  # in fp32: the sum over the slices
-        return grad_h.to(hidden.dtype), grad_w, None, None, None
-
-
-def token_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, chunk_size=128):
-    """Log-prob (with grad) and entropy (no grad, nats) of each sampled token, from hidden states.
-
-    hidden: [M, D] the final hidden state before each token; weight: [V, D] the lm_head weight;
-    tokens: [M] the sampled ids. Logits are divided by the sampling temperature, as the sampler did.
-    Works in chunks, so the [M, V] logits (let alone their fp32 log-softmax) never exist; equal to
-    log_softmax(hidden @ weight.T / T) gathered at tokens, in values and gradients.
-    """
-    logp, stats = _ChunkedHead.apply(hidden, weight, tokens, float(temperature), chunk_size)
-    return logp, stats[:, 0]
-
-
 # ==== The trainer: torchrun stapo.py --model ... (also one CPU process, or several under gloo) ====
 
 # Every setting is a flag; `python stapo.py --help` lists them in four groups. Whose each default is:
@@ -347,7 +275,7 @@ class Policy(torch.nn.Module):
         h = self.lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
         at = response[:, 1:]  # the hidden state at t predicts token t + 1
         weight = self.lm.get_output_embeddings().weight
-        return _ChunkedHead.apply(h[:, :-1][at], weight, ids[:, 1:][at], float(temperature), 128)
+        return ChunkedHead.apply(h[:, :-1][at], weight, ids[:, 1:][at], float(temperature), 128)
 
 
 def refuse_unusual_head(lm, path):
@@ -636,66 +564,6 @@ def sync_engine(engine, policy, probe, device):
                            f"the trainer's by {mean:.3g} on average, {top:.3g} at most; the "
                            f"tolerance is {tolerance} (a stale, partial or mis-mapped sync)")
     return mean, top
-
-
-# ---- checkpoints ---------------------------------------------------------------------------------
-
-def save_hf(policy, tok, path, rank):
-    """An HF-format model (loadable by transformers and vLLM) in the dtype of the checkpoint it
-    started from (Qwen3: bf16), and the tokenizer, written by rank 0."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    sd = get_model_state_dict(policy.lm, options=options)
-    if rank == 0:
-        exported = {k: v.to(policy.lm.export_dtype) for k, v in sd.items()}
-        policy.lm.save_pretrained(path, state_dict=exported)
-        policy.lm.config.dtype = policy.lm.export_dtype  # not the fp32 masters' dtype
-        policy.lm.config.save_pretrained(path)
-        tok.save_pretrained(path)
-
-
-def save_checkpoint(step, policy, opt, tok, args, rank):
-    """out/ckpt/step_N: hf/ (the model), dcp/ (sharded model + optimizer), state.json. Written
-    under a temporary name and renamed when complete, so a crash never leaves half a checkpoint;
-    only the newest --keep-ckpts are kept. No RNG state: a sample's seed is (seed, step, prompt)."""
-    final = os.path.join(args.out, "ckpt", f"step_{step}")
-    tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(policy, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"))
-    save_hf(policy, tok, os.path.join(tmp, "hf"), rank)
-    dist.barrier()
-    if rank == 0:
-        with open(os.path.join(tmp, "state.json"), "w") as f:
-            json.dump({"step": step, "data_position": step * args.prompts_per_step}, f)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        for old in checkpoints(args.out)[:-args.keep_ckpts] if args.keep_ckpts > 0 else []:
-            shutil.rmtree(os.path.join(args.out, "ckpt", f"step_{old}"))
-    dist.barrier()
-
-
-def checkpoints(out):
-    """The steps of the complete checkpoints under out/ckpt, oldest first."""
-    root = os.path.join(out, "ckpt")
-    names = os.listdir(root) if os.path.isdir(root) else []
-    return sorted(int(d[5:]) for d in names if d.startswith("step_") and d[5:].isdigit())
-
-
-def load_checkpoint(policy, opt, args):
-    """Restore the latest complete checkpoint, as rank 0 sees it; returns how many steps it had
-    done (0 if none)."""
-    done = gather(checkpoints(args.out))[0]  # rank 0 chooses; every rank loads that one
-    if not done:
-        return 0
-    model_sd, optim_sd = get_state_dict(policy, opt)
-    path = os.path.join(args.out, "ckpt", f"step_{done[-1]}", "dcp")
-    require_shared(os.path.isdir(path), args.out, f"cannot see {path}")
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_state_dict(policy, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    return done[-1]
 
 
 # ---- main ----------------------------------------------------------------------------------------

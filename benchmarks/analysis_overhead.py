@@ -2,7 +2,7 @@
 
     python benchmarks/analysis_overhead.py      # CPU fp32: 8 x 1024 tokens, vocabulary 151,936, hidden 256
 
-The head's forward (stapo._ChunkedHead) computes, per chunk of 128 tokens, log p and H (what S2T needs) and
+The head's forward (head.ChunkedHead) computes, per chunk of 128 tokens, log p and H (what S2T needs) and
 two more sums for the analysis, sum pi^2 and sum pi^2 log pi: a square, a sum and a product-sum over the
 [chunk, V] buffer. This script times, in one process, (1) the shipped forward, (2) the same forward with the
 analysis's square and second product patched out (their two sums still run, so this understates the cost
@@ -15,6 +15,7 @@ import os, statistics, sys, time, types
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import head  # noqa: E402
 import parallel  # noqa: E402
 import metrics  # noqa: E402
 import stapo  # noqa: E402
@@ -35,7 +36,7 @@ def main():
     m, d, v = 8 * 1024, 256, 151936
     hidden, weight = torch.randn(m, d), torch.randn(v, d) * d ** -0.5
     tokens = torch.randint(v, (m,))
-    full = timed(lambda: stapo._ChunkedHead.apply(hidden, weight, tokens, 1.0, 128))
+    full = timed(lambda: head.ChunkedHead.apply(hidden, weight, tokens, 1.0, 128))
     square, mul = torch.Tensor.square_, torch.mul
     calls = {"mul": 0}
 
@@ -45,11 +46,11 @@ def main():
     torch.Tensor.square_ = lambda self: self
     torch.mul = first_product_only
     try:
-        without = timed(lambda: stapo._ChunkedHead.apply(hidden, weight, tokens, 1.0, 128))
+        without = timed(lambda: head.ChunkedHead.apply(hidden, weight, tokens, 1.0, 128))
     finally:
         torch.Tensor.square_, torch.mul = square, mul
     parallel.init_distributed()
-    logp, stats = stapo._ChunkedHead.apply(hidden, weight, tokens, 1.0, 128)
+    logp, stats = head.ChunkedHead.apply(hidden, weight, tokens, 1.0, 128)
     rows = (8, 1024)
     logp, stats = logp.view(rows), stats.view(*rows, 3)
     adv, valid = torch.randn(8), torch.ones(rows, dtype=torch.bool)

@@ -12,7 +12,7 @@ import argparse, json, os, subprocess, sys, time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from stapo import token_logprobs_and_entropy  # noqa: E402
+from head import token_logprobs_and_entropy  # noqa: E402
 
 
 def naive(hidden, weight, tokens, temperature):

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from stapo import (_ChunkedHead, entropy_change, group_advantages, logit_gradient_norm, quantile,
-                   rollout_is_weights, s2t_candidates, s2t_mask, s2t_threshold, stapo_loss,
-                   token_logprobs_and_entropy)
+from head import ChunkedHead, token_logprobs_and_entropy
+from stapo import (entropy_change, group_advantages, logit_gradient_norm, quantile, rollout_is_weights,
+                   s2t_candidates, s2t_mask, s2t_threshold, stapo_loss)
 
 
 # ---------------------------------------------------------------- group_advantages
@@ -405,7 +405,7 @@ def _direct_stats(a, y, t):
 
 def test_the_heads_statistics_are_h_collision_and_pi2_log_pi():
     h, w, y, t = _head_case()
-    logp, stats = _ChunkedHead.apply(h.float(), w.float(), y, t, 4)  # chunks of 4 tokens, in fp32
+    logp, stats = ChunkedHead.apply(h.float(), w.float(), y, t, 4)  # chunks of 4 tokens, in fp32
     want = _direct_stats(h @ w.T, y, t)
     for got, exact in zip([logp, *stats.unbind(-1)], want):
         assert torch.allclose(got.double(), exact, atol=1e-5), (got, exact)

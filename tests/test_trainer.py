@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+import checkpoint
 import rollout
 import problems
 import parallel
@@ -123,17 +124,17 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(tiny, tmp_path, monkeypa
     uninterrupted run's model. Checkpoints beyond --keep-ckpts are removed, oldest first."""
     d, _ = tiny
     stapo.train(stapo.get_args(args_for(d, tmp_path / "full", "--steps", "4")))
-    real_save_hf = stapo.save_hf
+    real_save_hf = checkpoint.save_hf
 
     def dies_in_step_4(policy, tok, path, rank):
         if "step_4" in path:
             raise KeyboardInterrupt("killed mid-save")
         real_save_hf(policy, tok, path, rank)
-    monkeypatch.setattr(stapo, "save_hf", dies_in_step_4)
+    monkeypatch.setattr(checkpoint, "save_hf", dies_in_step_4)
     with pytest.raises(KeyboardInterrupt):
         stapo.train(stapo.get_args(args_for(d, tmp_path / "cut", "--steps", "4", "--save-every", "2")))
     assert sorted(os.listdir(tmp_path / "cut" / "ckpt")) == ["step_2", "step_4.tmp"]
-    monkeypatch.setattr(stapo, "save_hf", real_save_hf)
+    monkeypatch.setattr(checkpoint, "save_hf", real_save_hf)
     stapo.train(stapo.get_args(args_for(d, tmp_path / "cut", "--steps", "4", "--save-every", "2", "--keep-ckpts", "1",
                                         "--resume")))
     assert sorted(os.listdir(tmp_path / "cut" / "ckpt")) == ["step_4"]

@@ -1,0 +1,71 @@
+"""checkpoint.py: a run's checkpoints and its exported model. out/ckpt/step_N holds the sharded model and
+optimizer (torch.distributed.checkpoint) and an HF copy; a checkpoint is renamed into place only when whole.
+"""
+import json
+import os
+import shutil
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict)
+
+from parallel import gather, require_shared
+
+
+def save_hf(policy, tok, path, rank):
+    """An HF-format model (loadable by transformers and vLLM) in the dtype of the checkpoint it
+    started from (Qwen3: bf16), and the tokenizer, written by rank 0."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sd = get_model_state_dict(policy.lm, options=options)
+    if rank == 0:
+        exported = {k: v.to(policy.lm.export_dtype) for k, v in sd.items()}
+        policy.lm.save_pretrained(path, state_dict=exported)
+        policy.lm.config.dtype = policy.lm.export_dtype  # not the fp32 masters' dtype
+        policy.lm.config.save_pretrained(path)
+        tok.save_pretrained(path)
+
+
+def save_checkpoint(step, policy, opt, tok, args, rank):
+    """out/ckpt/step_N: hf/ (the model), dcp/ (sharded model + optimizer), state.json. Written
+    under a temporary name and renamed when complete, so a crash never leaves half a checkpoint;
+    only the newest --keep-ckpts are kept. No RNG state: a sample's seed is (seed, step, prompt)."""
+    final = os.path.join(args.out, "ckpt", f"step_{step}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(policy, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"))
+    save_hf(policy, tok, os.path.join(tmp, "hf"), rank)
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump({"step": step, "data_position": step * args.prompts_per_step}, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        for old in checkpoints(args.out)[:-args.keep_ckpts] if args.keep_ckpts > 0 else []:
+            shutil.rmtree(os.path.join(args.out, "ckpt", f"step_{old}"))
+    dist.barrier()
+
+
+def checkpoints(out):
+    """The steps of the complete checkpoints under out/ckpt, oldest first."""
+    root = os.path.join(out, "ckpt")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(d[5:]) for d in names if d.startswith("step_") and d[5:].isdigit())
+
+
+def load_checkpoint(policy, opt, args):
+    """Restore the latest complete checkpoint, as rank 0 sees it; returns how many steps it had
+    done (0 if none)."""
+    done = gather(checkpoints(args.out))[0]  # rank 0 chooses; every rank loads that one
+    if not done:
+        return 0
+    model_sd, optim_sd = get_state_dict(policy, opt)
+    path = os.path.join(args.out, "ckpt", f"step_{done[-1]}", "dcp")
+    require_shared(os.path.isdir(path), args.out, f"cannot see {path}")
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(policy, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return done[-1]
