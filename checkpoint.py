@@ -69,3 +69,14 @@ def load_checkpoint(policy, opt, args):
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(policy, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
     return done[-1]
+
+
+def used_out(out):
+    """What a run left in `out`, in words (None: nothing): the last step logged, the newest checkpoint, the
+    trained model."""
+    metrics = os.path.join(out, "metrics.jsonl")
+    logged = [line for line in open(metrics) if line.strip()] if os.path.exists(metrics) else []
+    held = [f"metrics.jsonl logged to step {json.loads(logged[-1])['step']}"] if logged else []
+    held += [f"the checkpoint ckpt/step_{checkpoints(out)[-1]}"] if checkpoints(out) else []
+    held += ["a trained model in model/"] if os.path.isdir(os.path.join(out, "model")) else []
+    return "a run: " + ", ".join(held) if held else None

@@ -26,7 +26,7 @@ import datasets
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
-from parallel import check_shared_out, gather, init_distributed
+from parallel import check_shared_out, gather, init_distributed, refuse_used_out
 from problems import encode_prompt, problem_answer, read_jsonl, seed_of
 from reward import check_all, extract_answer, extract_boxed, judge_prompt, judge_verdict
 from rollout import compute_dtype, make_engine
@@ -269,6 +269,9 @@ def run(a, names, temperature, top_p, rank, world, device):
     """Sample and grade by the rules (not with --judge-only); with --judge, then a judge process per rank."""
     engine = None  # alive to the end of run(): a vLLM engine's shutdown destroys the process group
     if not a.judge_only:
+        held = "an evaluation in samples.jsonl" if os.path.exists(os.path.join(a.out, "samples.jsonl")) else None
+        refuse_used_out(a.out, held, "Write this evaluation to another --out; to judge that one's samples: "
+                        "--judge-only --judge MODEL")
         tok, engine = load_engine(a, a.model, device, a.max_tokens + 2048, a.gpu_memory_utilization)
         t0 = time.time()
         mine = evaluate(engine, tok, names, a.samples, temperature, top_p, a.max_tokens, rank, world, a.data_dir,

@@ -1,5 +1,5 @@
-"""parallel.py: the process group. Ranks and the device mesh, collectives of a few numbers or objects, and the
-check that every rank sees the same --out.
+"""parallel.py: the process group. Ranks and the device mesh, collectives of a few numbers or objects, the
+check that every rank sees the same --out, and the refusal of a used one.
 """
 import os
 from datetime import timedelta
@@ -72,3 +72,11 @@ def check_shared_out(out, rank):
     dist.barrier()
     sees = os.path.exists(path) and open(path).read() == token
     require_shared(sees, out, "cannot see what rank 0 wrote there")
+
+
+def refuse_used_out(out, held, ways):
+    """Stop every rank at once (none is left in a collective), before anything is written to `out`, if rank 0
+    found it in use: `held` says what it holds, in words (None: nothing); `ways`, what to do instead."""
+    held = gather(held)[0]
+    if held:
+        raise FileExistsError(f"--out {out} already holds {held}. {ways}. Nothing in {out} was changed.")

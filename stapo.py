@@ -21,11 +21,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from checkpoint import load_checkpoint, save_checkpoint, save_hf
+from checkpoint import load_checkpoint, save_checkpoint, save_hf, used_out
 from eval import evaluate_during_training, longest_prompt
 from head import ChunkedHead
 from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after
-from parallel import all_reduce_numbers, check_shared_out, gather, gather_cat, init_distributed
+from parallel import all_reduce_numbers, check_shared_out, gather, gather_cat, init_distributed, refuse_used_out
 from problems import encode_problems, load_problems, probe_tokens, seed_of, step_prompts
 from reward import score_all
 from rollout import compute_dtype, full_params, make_engine, sampler_logprobs
@@ -587,6 +587,8 @@ def train(args):
     if args.prompts_per_step % (args.minibatches * world):
         raise ValueError(f"--prompts-per-step {args.prompts_per_step} must split evenly into "
                          f"--minibatches {args.minibatches}, each over {world} ranks")
+    if not args.resume:  # before anything is written to --out
+        refuse_used_out(args.out, used_out(args.out), "Continue it with --resume, or start anew in another --out")
     check_shared_out(args.out, rank)
     tok = AutoTokenizer.from_pretrained(args.model)
     problems = load_problems(args.dataset)

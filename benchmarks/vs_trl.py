@@ -21,7 +21,7 @@ of the machine hits both sides of a pair. A run's time is the median of its step
 trainer records it by phase); a run's peak is the largest. The ratio is taken within each pair, then the
 median.
 """
-import argparse, json, os, statistics, subprocess, sys, time
+import argparse, json, os, shutil, statistics, subprocess, sys, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -58,6 +58,7 @@ def run_stapo(folder, c, steps):
     """stapo.train itself, as a user runs it; the step time is the trainer's own step_s."""
     import stapo
     out = os.path.join(folder, "stapo_run")
+    shutil.rmtree(out, ignore_errors=True)  # each run starts fresh: stapo refuses an --out that holds a run
     args = stapo.get_args(["--model", folder, "--dataset", os.path.join(folder, "data.jsonl"), "--out", out,
                            "--steps", str(steps), "--prompts-per-step", str(c["prompts"]), "--group-size", str(G),
                            "--minibatches", "1", "--micro-tokens", "1000000", "--max-prompt-len", "64",

@@ -1,4 +1,5 @@
 """The trainer on a tiny offline Qwen3: objectives, distribution invariance, resume, degenerate batches, data."""
+import hashlib
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import checkpoint
+import eval as ev
 import rollout
 import problems
 import parallel
@@ -117,6 +119,34 @@ def test_resume_equals_uninterrupted_across_world_sizes_and_preemption(tiny, tmp
     assert_same_metrics(metrics_of(tmp_path / "full"), metrics_of(tmp_path / "cut"))
     state = json.load(open(tmp_path / "cut" / "ckpt" / "step_4" / "state.json"))
     assert state == {"step": 4, "data_position": 16}
+
+
+def tree_hashes(folder):
+    """Every file under folder, by its path, with its contents' hash."""
+    files = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
+    return {os.path.relpath(f, folder): hashlib.sha256(open(f, "rb").read()).hexdigest() for f in files}
+
+
+def test_a_used_out_is_refused_without_resume_and_left_as_it_was(tiny, tmp_path):
+    """A second run into a used --out without --resume stops before it writes anything, saying what the folder
+    holds and the two ways on; so does eval.py into a used --out. Caught: a run that starts over from step 0
+    (metrics.jsonl, the checkpoint and the model rewritten), a refusal after --out's .run_token or config.json
+    is written, an eval that overwrites samples.jsonl."""
+    d, _ = tiny
+    stapo.train(stapo.get_args(args_for(d, tmp_path / "a", "--steps", "1", "--save-every", "1")))
+    before = tree_hashes(tmp_path / "a")
+    with pytest.raises(FileExistsError, match=r"already holds a run: metrics.jsonl logged to step 1, the checkpoint "
+                                              r"ckpt/step_1, a trained model in model/\. Continue it with --resume, or "
+                                              r"start anew in another --out"):
+        stapo.train(stapo.get_args(args_for(d, tmp_path / "a", "--steps", "2")))
+    assert tree_hashes(tmp_path / "a") == before and ".run_token" in before
+    record = {"benchmark": "math500", "id": "0", "correct": True, "length": 3, "finish_reason": "stop"}
+    ev.write_results(str(tmp_path / "e"), [record], {"model": "m"})
+    before = tree_hashes(tmp_path / "e")
+    with pytest.raises(FileExistsError, match=r"holds an evaluation in samples.jsonl\. Write this evaluation to "
+                                              r"another --out; to judge that one's samples: --judge-only"):
+        ev.main(["--model", str(d / "model"), "--benchmarks", "math500", "--out", str(tmp_path / "e")])
+    assert tree_hashes(tmp_path / "e") == before
 
 
 def test_a_crash_mid_save_keeps_the_previous_checkpoint(tiny, tmp_path, monkeypatch):
