@@ -1,16 +1,21 @@
 """checkpoint.py: a run's checkpoints and its exported model. out/ckpt/step_N holds the sharded model and
 optimizer (torch.distributed.checkpoint) and an HF copy; a checkpoint is renamed into place only when whole.
+A used --out is resumed or refused, and SIGTERM or SIGINT checkpoints at the next step boundary.
 """
 import json
 import os
 import shutil
+import signal
+import sys
+import threading
+import time
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict)
 
-from parallel import gather, require_shared
+from parallel import all_reduce_numbers, gather, require_shared
 
 
 def save_hf(policy, tok, path, rank):
@@ -80,3 +85,44 @@ def used_out(out):
     held += [f"the checkpoint ckpt/step_{checkpoints(out)[-1]}"] if checkpoints(out) else []
     held += ["a trained model in model/"] if os.path.isdir(os.path.join(out, "model")) else []
     return "a run: " + ", ".join(held) if held else None
+
+
+class StopAtStepEnd:
+    """SIGTERM (what a scheduler sends before it preempts) or SIGINT (Ctrl-C) ends the run at the next step
+    boundary, with a checkpoint. The handler only notes the signal. At each step's end the ranks agree (a
+    signal may reach one rank alone; torchrun's agent forwards its own to every worker), then every rank saves
+    that step and exits. A second signal exits at once; the newest complete checkpoint stays, since one is
+    renamed into place only when whole. A second signal within 2 s of the first is the same stop arriving
+    twice (a scheduler that signals every process, and the agent forwarding it) and is not counted."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __enter__(self):
+        self.got, self.at, self.before = None, 0.0, {}
+        if threading.current_thread() is threading.main_thread():  # only there can Python take a signal
+            self.before = {s: signal.signal(s, self.note) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.before.items():
+            signal.signal(s, handler)
+
+    def note(self, signum, frame):
+        if self.got and time.monotonic() - self.at >= 2:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)  # the second signal: the process dies of it, now
+        if not self.got:
+            self.got, self.at = signal.Signals(signum).name, time.monotonic()
+            print(f"stapo: {self.got}: stopping at the end of this step, with a checkpoint; a second signal "
+                  "stops at once", file=sys.stderr, flush=True)
+
+    def end_of_step(self, done, policy, opt, tok, args, rank):
+        """After step `done`: its checkpoint, every --save-every steps or when any rank got a signal; then,
+        in the second case, the exit (non-zero, with the way to resume)."""
+        stop = all_reduce_numbers(self.got is not None, op=dist.ReduceOp.MAX)[0] > 0
+        if stop or args.save_every and done % args.save_every == 0:
+            save_checkpoint(done, policy, opt, tok, args, rank)
+        if stop:
+            path = os.path.join(args.out, "ckpt", f"step_{done}")
+            raise SystemExit(1 if rank else f"stapo: stopped by a signal after step {done}, checkpointed in "
+                             f"{path}. To continue: the same command with --resume")

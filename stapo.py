@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from checkpoint import load_checkpoint, save_checkpoint, save_hf, used_out
+from checkpoint import StopAtStepEnd, load_checkpoint, save_hf, used_out
 from eval import evaluate_during_training, longest_prompt
 from head import ChunkedHead
 from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after
@@ -611,22 +611,22 @@ def train(args):
             drop_steps_after(path, start)
         reporter = Reporter(args.report_to, args.out, config)
     progress = dict(desc="stapo", initial=start, total=args.steps, disable=rank != 0)
-    for step in tqdm(range(start, args.steps), **progress):
-        prompts = step_prompts(data, step, args, rank, world)
-        metrics, silenced = train_step(step, policy, opt, engine, tok, prompts, args, device, probe)
-        if args.eval_every and (step + 1) % args.eval_every == 0:
-            metrics.update(evaluate_during_training(engine, tok, args, rank, world))
-        silenced = sum(gather(silenced), [])
-        if rank == 0:
-            append_jsonl(logs[0], [metrics])
-            reporter.log(metrics)
-            if silenced:
-                append_jsonl(logs[1], silenced)
-            shown = ("step", "reward_mean", "accuracy", "silenced_frac", "response_len_mean",
-                     "entropy_mean", "grad_norm", "step_s")
-            tqdm.write(" ".join(f"{k}={metrics[k]:.4g}" for k in shown))
-        if args.save_every and (step + 1) % args.save_every == 0:
-            save_checkpoint(step + 1, policy, opt, tok, args, rank)
+    with StopAtStepEnd() as stop:  # SIGTERM or SIGINT: a checkpoint at the step's end, then the exit
+        for step in tqdm(range(start, args.steps), **progress):
+            prompts = step_prompts(data, step, args, rank, world)
+            metrics, silenced = train_step(step, policy, opt, engine, tok, prompts, args, device, probe)
+            if args.eval_every and (step + 1) % args.eval_every == 0:
+                metrics.update(evaluate_during_training(engine, tok, args, rank, world))
+            silenced = sum(gather(silenced), [])
+            if rank == 0:
+                append_jsonl(logs[0], [metrics])
+                reporter.log(metrics)
+                if silenced:
+                    append_jsonl(logs[1], silenced)
+                shown = ("step", "reward_mean", "accuracy", "silenced_frac", "response_len_mean",
+                         "entropy_mean", "grad_norm", "step_s")
+                tqdm.write(" ".join(f"{k}={metrics[k]:.4g}" for k in shown))
+            stop.end_of_step(step + 1, policy, opt, tok, args, rank)  # a checkpoint; after a signal, the exit
     save_hf(policy, tok, os.path.join(args.out, "model"), rank)
     dist.barrier()
     return policy

@@ -3,8 +3,10 @@ import hashlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -104,21 +106,61 @@ def test_two_ranks_and_other_micro_batches_equal_one_process(tiny, tmp_path, one
     assert_same_metrics(m1, metrics_of(tmp_path / "big"))
 
 
+def torchrun(argv, nproc, log, *launcher):
+    """stapo.py under torchrun as docs/training.md launches it, not waited for: in a session of its own (a signal
+    to the tests' group does not reach it), its output in the file `log`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *launcher,
+           os.path.join(ROOT, "stapo.py"), *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, env=env)
+
+
+def wait_for_steps(out, n, agent, timeout=300):
+    """Until metrics.jsonl logs n steps (the run still going)."""
+    deadline = time.time() + timeout
+    while not (os.path.exists(out / "metrics.jsonl") and len(metrics_of(out)) >= n):
+        assert agent.poll() is None and time.time() < deadline, f"no step {n} in {out} (exit {agent.poll()})"
+        time.sleep(0.1)
+
+
+def finish(agent, timeout=300):
+    """The launcher's exit code; on a hang or a failed assertion, the whole group is killed."""
+    try:
+        return agent.wait(timeout=timeout)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
-def test_resume_equals_uninterrupted_across_world_sizes_and_preemption(tiny, tmp_path, one_thread):
-    """A 1-rank run saves at step 2, runs on to step 3 and is preempted; it resumes on 2 ranks. The model
-    equals an uninterrupted run's, and metrics.jsonl holds each step once."""
+def test_sigterm_to_torchrun_checkpoints_the_step_reached_and_resume_equals_uninterrupted(tiny, tmp_path, one_thread):
+    """SIGTERM to the torchrun agent as 2 ranks train, with no --save-every checkpoint due: every rank finishes
+    its step, saves it and exits non-zero, saying how to resume. --resume on 1 rank then reaches the model and
+    every metric of an uninterrupted run, each step logged once. Caught: a handler that exits at once (no
+    checkpoint), one that ignores the signal (the run ends), a checkpoint of another step than the last logged,
+    a rank that saves a different step or none (the resume fails or differs)."""
     d, _ = tiny
-    common = ("--tau-p", "0.9", "--save-every", "2")
-    stapo.train(stapo.get_args(args_for(d, tmp_path / "full", "--steps", "4", *common)))
-    stapo.train(stapo.get_args(args_for(d, tmp_path / "cut", "--steps", "3", *common)))  # step 3: no checkpoint
-    assert sorted(os.listdir(tmp_path / "cut" / "ckpt")) == ["step_2"]
-    run(args_for(d, tmp_path / "cut", "--steps", "4", *common, "--resume"), nproc=2)
-    assert_same_params(load_params(tmp_path / "full" / "model"), load_params(tmp_path / "cut" / "model"))
-    assert [x["step"] for x in metrics_of(tmp_path / "cut")] == [1, 2, 3, 4]
-    assert_same_metrics(metrics_of(tmp_path / "full"), metrics_of(tmp_path / "cut"))
-    state = json.load(open(tmp_path / "cut" / "ckpt" / "step_4" / "state.json"))
-    assert state == {"step": 4, "data_position": 16}
+    common = ("--tau-p", "0.9", "--steps", "4")
+    stapo.train(stapo.get_args(args_for(d, tmp_path / "full", *common)))
+    cut = tmp_path / "cut"
+    with open(tmp_path / "cut.log", "w") as log:
+        agent = torchrun(args_for(d, cut, *common), 2, log, "--shutdown-timeout", "120")
+        try:
+            wait_for_steps(cut, 1, agent)
+            os.kill(agent.pid, signal.SIGTERM)
+        finally:
+            code = finish(agent)
+    out = open(tmp_path / "cut.log").read()
+    reached = len(metrics_of(cut))
+    assert code != 0 and 1 <= reached < 4, out[-3000:]
+    assert sorted(os.listdir(cut / "ckpt")) == [f"step_{reached}"], out[-3000:]
+    assert json.load(open(cut / "ckpt" / f"step_{reached}" / "state.json")) == {"step": reached,
+                                                                                "data_position": 4 * reached}
+    assert f"stopped by a signal after step {reached}" in out and "the same command with --resume" in out
+    stapo.train(stapo.get_args(args_for(d, cut, *common, "--resume")))
+    assert_same_params(load_params(tmp_path / "full" / "model"), load_params(cut / "model"))
+    assert [x["step"] for x in metrics_of(cut)] == [1, 2, 3, 4]
+    assert_same_metrics(metrics_of(tmp_path / "full"), metrics_of(cut))
 
 
 def tree_hashes(folder):
@@ -147,6 +189,29 @@ def test_a_used_out_is_refused_without_resume_and_left_as_it_was(tiny, tmp_path)
                                               r"another --out; to judge that one's samples: --judge-only"):
         ev.main(["--model", str(d / "model"), "--benchmarks", "math500", "--out", str(tmp_path / "e")])
     assert tree_hashes(tmp_path / "e") == before
+
+
+SECOND_SIGNAL = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from checkpoint import StopAtStepEnd
+with StopAtStepEnd() as stop:
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)  # the same stop twice at once: a scheduler's, and the agent's copy
+    print("noted", stop.got, flush=True)
+    time.sleep(2.5)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(10)
+print("not stopped", flush=True)
+"""
+
+
+def test_a_second_signal_stops_at_once_and_the_same_one_twice_does_not():
+    """The first SIGTERM is noted (the run goes on to its step's end), and so is a copy of it at once; a second
+    signal later kills the process at once. Caught: a handler that exits on the first signal, one that counts
+    the agent's forwarded copy as a second, one that swallows the second."""
+    r = subprocess.run([sys.executable, "-c", SECOND_SIGNAL, ROOT], capture_output=True, text=True, timeout=120)
+    assert r.stdout == "noted SIGTERM\n" and r.returncode == -signal.SIGINT, (r.returncode, r.stdout, r.stderr)
 
 
 def test_a_crash_mid_save_keeps_the_previous_checkpoint(tiny, tmp_path, monkeypatch):
