@@ -21,6 +21,7 @@ def init_distributed():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
         if "RANK" in os.environ:
+            refuse_restarts_on_the_agents_store()
             dist.init_process_group(backend, timeout=timedelta(hours=2))
         else:  # a plain `python stapo.py` (port 0: the OS picks a free one)
             dist.init_process_group(backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1,
@@ -80,3 +81,16 @@ def refuse_used_out(out, held, ways):
     held = gather(held)[0]
     if held:
         raise FileExistsError(f"--out {out} already holds {held}. {ways}. Nothing in {out} was changed.")
+
+
+def refuse_restarts_on_the_agents_store():
+    """torchrun --max-restarts N: torch 2.13's agent keeps one store for every attempt (its static rendezvous
+    always; its c10d one unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and a restarted rank can read the last
+    attempt's addresses there. On gloo, 6 of 10 restarts of tests/test_trainer.py's SIGKILL run hung or failed
+    at their start; with the variable set, each attempt gets a store of its own, and 10 of 10 passed."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise RuntimeError(f"torchrun --max-restarts {restarts}: launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                           "and the c10d rendezvous (--standalone, or --rdzv-backend c10d), or a restarted rank may "
+                           "hang at its start: torch 2.13's agent keeps one store across restarts, where a restarted "
+                           "rank reads the last attempt's addresses (docs/training.md: elastic restarts)")

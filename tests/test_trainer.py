@@ -163,6 +163,44 @@ def test_sigterm_to_torchrun_checkpoints_the_step_reached_and_resume_equals_unin
     assert_same_metrics(metrics_of(tmp_path / "full"), metrics_of(cut))
 
 
+@pytest.mark.slow
+def test_a_rank_killed_under_max_restarts_is_restarted_and_every_step_is_logged_once(tiny, tmp_path):
+    """The elastic pattern, torchrun --max-restarts 1 ... --resume: the first launch finds no checkpoint and
+    starts fresh; local rank 1 is SIGKILLed after step 3, the agent restarts both ranks, they resume from step 2's
+    checkpoint and finish, each step logged once. Caught: --resume refusing an empty --out, a restart refused
+    as a used --out, step 3 logged twice, a surviving rank that hangs the restart."""
+    d, _ = tiny
+    out = tmp_path / "run"
+    with open(tmp_path / "run.log", "w") as log:
+        agent = torchrun(args_for(d, out, "--steps", "5", "--save-every", "2", "--resume"), 2, log, "--max-restarts",
+                         "1")
+        try:
+            wait_for_steps(out, 3, agent)
+            workers = open(f"/proc/{agent.pid}/task/{agent.pid}/children").read().split()
+            rank_1 = [pid for pid in workers if b"LOCAL_RANK=1\0" in open(f"/proc/{pid}/environ", "rb").read()]
+            os.kill(int(rank_1[0]), signal.SIGKILL)
+        finally:
+            code = finish(agent)
+    assert code == 0, open(tmp_path / "run.log").read()[-3000:]
+    assert [x["step"] for x in metrics_of(out)] == [1, 2, 3, 4, 5]
+    assert sorted(os.listdir(out / "ckpt")) == ["step_2", "step_4"] and os.path.isdir(out / "model")
+
+
+def test_restarts_on_the_agents_shared_store_are_refused(monkeypatch):
+    """torchrun --max-restarts with the agent's store shared (torch 2.13's default) stops every rank at its start,
+    naming the setting that makes restarts safe; without restarts, or with a store per attempt, nothing is
+    refused. Caught: a launch whose first restart would hang (docs/training.md: elastic restarts)."""
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(RuntimeError, match="--max-restarts 3: launch it with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        parallel.refuse_restarts_on_the_agents_store()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives
+    parallel.refuse_restarts_on_the_agents_store()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    parallel.refuse_restarts_on_the_agents_store()
+
+
 def tree_hashes(folder):
     """Every file under folder, by its path, with its contents' hash."""
     files = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
