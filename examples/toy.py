@@ -24,6 +24,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import curves  # noqa: E402
+from checkpoint import used_out  # noqa: E402
 import stapo  # noqa: E402
 from problems import SUFFIX, encode_prompt  # noqa: E402
 from reward import score  # noqa: E402
@@ -141,6 +142,11 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="the RL run's sampling seed (the warm start stays the same)")
     a = p.parse_args(argv)
     a.max_tokens = 24 if a.hard else 8
+    runs = METHODS if a.method == "all" else ["rl"]
+    held = [f"{run}/ holds {used_out(os.path.join(a.out, run))}" for run in runs if used_out(os.path.join(a.out, run))]
+    if held:  # refused before the warm start, not by the trainer after it
+        p.error(f"--out {a.out} holds an earlier toy run ({'; '.join(held)}): write this one to another --out "
+                f"(bash toy.sh --out runs/toy2), or delete {a.out}")
     train, held_out = problems(a.hard)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "train.jsonl"), "w") as f:

@@ -82,3 +82,14 @@ def test_seed_reaches_the_trainer_and_nothing_else_changes(tmp_path, monkeypatch
     assert (seen[0]["seed"], seen[1]["seed"]) == (0, 3)
     assert {k: v for k, v in seen[0].items() if k not in ("seed", "out")} == \
         {k: v for k, v in seen[1].items() if k not in ("seed", "out")}
+
+
+def test_a_second_toy_run_into_the_same_out_is_refused_before_the_warm_start(tmp_path, capsys):
+    """`bash toy.sh` twice: the second is refused at once, naming what the folder holds and another --out (a
+    refusal left to the trainer would come after the warm start, and suggest --resume, which the toy lacks)."""
+    os.makedirs(tmp_path / "rl")
+    (tmp_path / "rl" / "metrics.jsonl").write_text('{"step": 3}\n')
+    with pytest.raises(SystemExit):
+        toy.main(["--out", str(tmp_path), "--steps", "1"])
+    assert "rl/ holds a run: metrics.jsonl logged to step 3" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["rl"]  # no warm start, no train.jsonl
