@@ -89,17 +89,6 @@ class HFEngine:
         return Sample(tokens[:stop], "stop") if stop else Sample(tokens, "length")
 
 
-def left_padded(rows, max_tokens, device):
-    """Prompts left-padded to one width, with room for max_tokens after it: (ids, the attention mask, width).
-    Preallocated: tensors that grow every token fragment the heap (GBs of resident set at V = 152k)."""
-    width = max(map(len, rows))
-    ids = torch.zeros(len(rows), width + max_tokens, dtype=torch.long, device=device)
-    real = torch.zeros_like(ids)  # 1 at each prompt and sampled token
-    for k, p in enumerate(rows):
-        ids[k, width - len(p):width] = torch.tensor(p)
-        real[k, width - len(p):width] = 1
-    return ids, real, width
-
     @torch.no_grad()
     def load_weights(self, named_tensors):
         params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied lm_head has its name
@@ -114,6 +103,18 @@ def left_padded(rows, max_tokens, device):
 
     def sleep(self):
         pass
+
+
+def left_padded(rows, max_tokens, device):
+    """Prompts left-padded to one width, with room for max_tokens after it: (ids, the attention mask, width).
+    Preallocated: tensors that grow every token fragment the heap (GBs of resident set at V = 152k)."""
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width + max_tokens, dtype=torch.long, device=device)
+    real = torch.zeros_like(ids)  # 1 at each prompt and sampled token
+    for k, p in enumerate(rows):
+        ids[k, width - len(p):width] = torch.tensor(p)
+        real[k, width - len(p):width] = 1
+    return ids, real, width
 
 
 class VLLMEngine:
