@@ -196,15 +196,16 @@ def compare(a, b):
         print(f"| {name} | {cells[0]} | {cells[1]} | {diff} |")
 
 
-def main(argv=None):
+def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model")
+    p.add_argument("--model", help="the policy to evaluate: a Hub id or a folder (stapo.py writes OUT/model)")
     p.add_argument("--benchmarks", default="all", help="comma list of " + ",".join(BENCHMARKS) + ", or all")
-    p.add_argument("--preset", default="train", choices=list(PRESETS))
+    p.add_argument("--preset", default="train", choices=list(PRESETS),
+                   help="(temperature, top-p): train (1.0, 1.0) or justrl (0.7, 0.9)")
     p.add_argument("--samples", type=int, help="k for every benchmark (default: 32 AIME/AMC, 4 others)")
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--max-tokens", type=int, default=20480)
+    p.add_argument("--temperature", type=float, help="overrides the preset's temperature")
+    p.add_argument("--top-p", type=float, help="overrides the preset's top-p")
+    p.add_argument("--max-tokens", type=int, default=20480, help="the response limit, in tokens")
     p.add_argument("--limit", type=int, help="first N problems of each benchmark")
     p.add_argument("--data-dir", help="read <name>.jsonl files here instead of the Hub")
     p.add_argument("--source", action="append", default=[], metavar="NAME=FILE",
@@ -216,21 +217,28 @@ def main(argv=None):
                    help="a judge for what the rules reject: opencompass/CompassVerifier-3B")
     p.add_argument("--judge-prompt", metavar="FILE",
                    help="the judge's template (reward.JUDGE_PROMPT's fields)")
-    p.add_argument("--judge-max-tokens", type=int, default=16)
+    p.add_argument("--judge-max-tokens", type=int, default=16, help="the judge's answer limit, in tokens")
     p.add_argument("--judge-only", action="store_true",
                    help="no sampling: judge the rejected samples of --out's samples.jsonl that have no verdict")
     p.add_argument("--judge-shard", metavar="R/W", help="internal: a judge process's share (one per rank)")
-    p.add_argument("--out", default="runs/eval")
-    p.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
+    p.add_argument("--out", default="runs/eval", help="samples.jsonl, summary.md and results.json go here")
+    p.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"],
+                   help="vLLM, or a transformers decode loop (auto: vLLM on CUDA)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="the engines' weights (auto: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vLLM's share of the GPU")
     p.add_argument("--judge-gpu-memory-utilization", type=float, default=0.5,
                    help="the judge's share of the GPU, in its own process while the policy's engine sleeps")
-    p.add_argument("--no-chat-template", dest="chat_template", action="store_false")
-    p.add_argument("--enable-thinking", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare", nargs=2, metavar=("OUT_A", "OUT_B"))
+    p.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                   help="the prompt as plain text, not a user turn of the chat template")
+    p.add_argument("--enable-thinking", action="store_true", help="Qwen3's chat template in thinking mode")
+    p.add_argument("--seed", type=int, default=0, help="every problem's samples are seeded from it")
+    p.add_argument("--compare", nargs=2, metavar=("OUT_A", "OUT_B"), help="two results side by side")
+    return p
+
+
+def main(argv=None):
+    p = parser()
     a = p.parse_args(argv)
     if a.compare:
         return compare(*a.compare)

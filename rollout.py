@@ -62,14 +62,8 @@ class HFEngine:
         rows = [p for p in prompts for _ in range(n)]
         if not rows:
             return []
-        width = max(map(len, rows))
-        ids = torch.zeros(len(rows), width + max_tokens, dtype=torch.long, device=self.device)
-        real = torch.zeros_like(ids)  # the attention mask: 1 at each prompt and sampled token
-        for k, p in enumerate(rows):
-            ids[k, width - len(p):width] = torch.tensor(p)
-            real[k, width - len(p):width] = 1
+        ids, real, width = left_padded(rows, max_tokens, self.device)
         gens = [torch.Generator().manual_seed(seed + j) for seed in seeds for j in range(n)]
-        # preallocated, like ids: tensors that grow every token fragment the heap (GBs of RSS at V = 152k)
         cache = StaticCache(config=self.model.config, max_cache_len=width + max_tokens)
         eos = torch.tensor(sorted(self.eos), device=self.device)
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
@@ -94,6 +88,7 @@ class HFEngine:
         stop = next((i + 1 for i, t in enumerate(tokens) if t in self.eos), None)
         return Sample(tokens[:stop], "stop") if stop else Sample(tokens, "length")
 
+
     @torch.no_grad()
     def load_weights(self, named_tensors):
         params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied lm_head has its name
@@ -110,39 +105,35 @@ class HFEngine:
         pass
 
 
+def left_padded(rows, max_tokens, device):
+    """Prompts left-padded to one width, with room for max_tokens after it: (ids, the attention mask, width).
+    Preallocated: tensors that grow every token fragment the heap (GBs of resident set at V = 152k)."""
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width + max_tokens, dtype=torch.long, device=device)
+    real = torch.zeros_like(ids)  # 1 at each prompt and sampled token
+    for k, p in enumerate(rows):
+        ids[k, width - len(p):width] = torch.tensor(p)
+        real[k, width - len(p):width] = 1
+    return ids, real, width
+
+
 class VLLMEngine:
     """Colocated vLLM: one in-process engine per torchrun rank (external launcher, TP 1), and one per
     process for the life of the process: vLLM keeps process-wide state for one engine (its rotary cache,
     its CuMem allocator; docs/evaluation.md). On GPU: asleep at level 2 while the trainer works (every
     sync re-pushes all weights, so none are backed up in host memory); fp32 dot products in Triton's
     attention are true fp32. vLLM's CPU build has no sleep mode: sleep() does nothing, eager mode, and no
-    chunked prefill (seeded requests fail under it on CPU); its bf16 is emulated and slower. For
-    training it starts from dummy weights: the first sync writes the real ones.
+    chunked prefill (seeded requests fail under it on CPU); its bf16 is emulated and slower.
     """
 
     def __init__(self, model, tok, max_model_len, gpu_memory_utilization, for_training=True, dtype=None):
         from vllm import LLM
-        if ENGINE_PIDS:
-            raise RuntimeError(f"a second vLLM engine ({model}) in process {os.getpid()}: vLLM keeps "
-                               "process-wide state for one engine; build it in a process of its own")
-        ENGINE_PIDS.append(os.getpid())
-        # the external launcher reads both
-        os.environ.setdefault("RANK", str(dist.get_rank() if dist.is_initialized() else 0))
-        os.environ.setdefault("LOCAL_RANK", "0")
-        cuda = torch.cuda.is_available()
-        self.dtype = dtype or compute_dtype("auto", torch.device("cuda" if cuda else "cpu"))
-        if cuda and self.dtype == torch.float32:  # Triton's tl.dot takes fp32 inputs as TF32 unless told
-            os.environ["TRITON_F32_DEFAULT"] = "ieee"
-        logging.getLogger(RELOAD_LOGGER).addFilter(not_rotary_reload_noise)
+        self.cuda, self.asleep = torch.cuda.is_available(), False
+        self.dtype = dtype or compute_dtype("auto", torch.device("cuda" if self.cuda else "cpu"))
+        claim_the_process(model, true_fp32=self.cuda and self.dtype == torch.float32)
         self.logprobs = 0 if for_training else None  # the sampler's log-prob of each token: training only
-        cpu_only = {} if cuda else {"enforce_eager": True, "enable_chunked_prefill": False}
-        self.llm = LLM(model=model, distributed_executor_backend="external_launcher",
-                       tensor_parallel_size=1, seed=0, dtype=str(self.dtype)[6:],
-                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=cuda,
-                       max_model_len=max_model_len, logprobs_mode="processed_logprobs",
-                       load_format="dummy" if for_training else "auto",
-                       cpu_distributed_timeout_seconds=7200, **cpu_only)  # vLLM's own groups: 2 h too
-        self.cuda, self.asleep = cuda, False
+        self.llm = LLM(model=model, **vllm_options(self.cuda, self.dtype, max_model_len, gpu_memory_utilization,
+                                                   for_training))
         if for_training:  # its dummy weights wait for the first sync
             self.sleep()
 
@@ -155,13 +146,7 @@ class VLLMEngine:
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=-1, max_tokens=max_tokens,
                                  logprobs=self.logprobs, seed=seed, detokenize=False) for seed in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
-        return [[self._sample(c) for c in out.outputs] for out in outs]
-
-    @staticmethod
-    def _sample(c):
-        """A vLLM completion as a Sample, with the sampler's log-prob of each of its tokens."""
-        logprobs = c.logprobs and [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
-        return Sample(list(c.token_ids), "length" if c.finish_reason == "length" else "stop", logprobs)
+        return [[vllm_sample(c) for c in out.outputs] for out in outs]
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
@@ -195,6 +180,37 @@ class VLLMEngine:
 
 
 ENGINE_PIDS = []  # the process that built this process's vLLM engine
+
+
+def claim_the_process(model, true_fp32):
+    """The process-wide settings of this process's one vLLM engine: a second engine is refused, the external
+    launcher's two variables are set, and the reload's rotary warning is filtered."""
+    if ENGINE_PIDS:
+        raise RuntimeError(f"a second vLLM engine ({model}) in process {os.getpid()}: vLLM keeps "
+                           "process-wide state for one engine; build it in a process of its own")
+    ENGINE_PIDS.append(os.getpid())
+    os.environ.setdefault("RANK", str(dist.get_rank() if dist.is_initialized() else 0))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    if true_fp32:  # Triton's tl.dot takes fp32 inputs as TF32 unless told
+        os.environ["TRITON_F32_DEFAULT"] = "ieee"
+    logging.getLogger(RELOAD_LOGGER).addFilter(not_rotary_reload_noise)
+
+
+def vllm_options(cuda, dtype, max_model_len, gpu_memory_utilization, for_training):
+    """What the colocated engine asks of vLLM's LLM(): TP 1 under torchrun, sleep mode on GPU, the
+    sampler's processed log-probs, dummy weights for training (the first sync writes the real ones)."""
+    cpu_only = {} if cuda else {"enforce_eager": True, "enable_chunked_prefill": False}
+    return dict(distributed_executor_backend="external_launcher", tensor_parallel_size=1, seed=0,
+                dtype=str(dtype)[6:], gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=cuda,
+                max_model_len=max_model_len, logprobs_mode="processed_logprobs",
+                load_format="dummy" if for_training else "auto",
+                cpu_distributed_timeout_seconds=7200, **cpu_only)  # vLLM's own groups: 2 h too
+
+
+def vllm_sample(c):
+    """A vLLM completion as a Sample, with the sampler's log-prob of each of its tokens."""
+    logprobs = c.logprobs and [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
+    return Sample(list(c.token_ids), "length" if c.finish_reason == "length" else "stop", logprobs)
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 

@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 . ./setup.sh requirements-dev.txt
-exec python -m pytest "$@"
+exec python -m pytest -n 2 --dist loadgroup "$@"

@@ -67,11 +67,11 @@ def run_one(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--chunk", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="sequences")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen3's)")
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size")
+    p.add_argument("--chunk", type=int, default=128, help="the chunked head's rows per chunk")
     p.add_argument("--method", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.method:

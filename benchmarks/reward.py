@@ -123,7 +123,8 @@ def timed(check, corpus):
 def main():
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=os.path.join(here, "..", "shared", "data", "benchmarks"))
+    p.add_argument("--data", default=os.path.join(here, "..", "shared", "data", "benchmarks"),
+                   help="the benchmarks' .jsonl files")
     p.add_argument("--show-misses", action="store_true", help="print every pair a checker gets wrong")
     a = p.parse_args()
     golds = load_golds(a.data)

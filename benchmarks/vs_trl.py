@@ -144,8 +144,8 @@ def main():
     p.add_argument("--trl-python", default=sys.executable, help="a python with TRL 1.16 (default: this one)")
     p.add_argument("--trl-checkpointing", choices=["on", "off"], default="on",
                    help="TRL's gradient_checkpointing (stapo always checkpoints)")
-    p.add_argument("--config", choices=sorted(CONFIGS), default="a")
-    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--config", choices=sorted(CONFIGS), default="a", help="the model and batch sizes (CONFIGS)")
+    p.add_argument("--pairs", type=int, default=3, help="runs of each side, interleaved")
     p.add_argument("--steps", type=int, default=6, help="steps per run; the first is a warm-up")
     p.add_argument("--folder", default="/tmp/stapo_vs_trl", help="where the model and the runs go")
     p.add_argument("--only", choices=["trl", "stapo"], help="run one side (--pairs runs of it), no ratios")

@@ -68,14 +68,14 @@ class PeakMemory:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="Qwen/Qwen3-0.6B-Base")
-    p.add_argument("--out", default="runs/smoke")
-    p.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    p.add_argument("--model", default="Qwen/Qwen3-0.6B-Base", help="the policy (and the judge)")
+    p.add_argument("--out", default="runs/smoke", help="the runs' folders go under it")
+    p.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"], help="stapo.py's --engine")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="stapo.py's --dtype")
     p.add_argument("--gpus", type=int, help="ranks of the second run (default: 2 if 2 GPUs are present, else 1)")
-    p.add_argument("--max-prompt-len", type=int, default=256)
+    p.add_argument("--max-prompt-len", type=int, default=256, help="stapo.py's --max-prompt-len")
     p.add_argument("--max-tokens", type=int, default=256, help="response tokens, in training and in eval")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU")
     p.add_argument("--judge-prompt", help="eval.py's --judge-prompt (a short one for a tiny model's context)")
     a = p.parse_args(argv)
     import torch

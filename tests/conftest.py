@@ -45,6 +45,12 @@ def tiny_vllm_tied(tmp_path_factory):
     return vllm_sized(tmp_path_factory.mktemp("tiny_vllm_tied"), tied=True)
 
 
+def pytest_collection_modifyitems(items):
+    """The slow tests first (in their files' order): on test.sh's two workers the longest runs start at once
+    instead of last, where one of them would leave the other worker idle at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """The in-process trainer tests leave a process group; one alive at exit can abort the process."""
     import torch.distributed as dist

@@ -7,7 +7,14 @@ Runs: the toy (its warm start, then 40 steps of STAPO) on one rank, on two, and 
 steps through vLLM's CPU build on two ranks. Each is a subprocess with one thread, so the float order is
 the same every time. The learning rate is constant (no warm-up), so a shorter run's steps are the first steps
 of the recorded one: tests/test_reference.py reruns a prefix of each to keep CI short.
+
+The numbers hold for one machine's float kernels: another CPU (another vendor's BLAS path, another vector
+width) warm-starts the toy to other weights, and every sampled token after that differs. So each recording
+is named for the warm start it began from, <run>-<id>.jsonl with id a hash of the warm-started weights, and
+a machine whose warm start has no recording has nothing to compare against (record one there, on a commit
+known to be good).
 """
+import hashlib
 import json
 import os
 import subprocess
@@ -70,6 +77,18 @@ def run(name, out, steps=None):
     return [json.loads(line) for line in open(os.path.join(out, name, "metrics.jsonl"))]
 
 
+def warm_start_id(out, name):
+    """A hash of the warm-started weights run `name` began from (under out): which recording applies."""
+    model = os.path.join(out, f"model_{RUNS[name][0]}", "model", "model.safetensors")
+    with open(model, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:12]
+
+
+def golden(name, out):
+    """The recording of run `name` for the warm start under out (it may not exist)."""
+    return os.path.join(GOLDEN, f"{name}-{warm_start_id(out, name)}.jsonl")
+
+
 def comparable(row):
     """A metrics row without what varies by nature: timings and memory peaks."""
     return {k: v for k, v in row.items() if k not in VARYING and not k.startswith("peak_gb/")}
@@ -84,7 +103,7 @@ if __name__ == "__main__":
         with tempfile.TemporaryDirectory() as tmp:
             for name in sys.argv[2:] or RUNS:
                 rows = run(name, tmp)
-                with open(os.path.join(GOLDEN, name + ".jsonl"), "w") as f:
+                with open(golden(name, tmp), "w") as f:
                     f.writelines(json.dumps(comparable(r)) + "\n" for r in rows)
     else:
         for spec in sys.argv[2:] or RUNS:

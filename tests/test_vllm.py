@@ -26,6 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 real_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                reason="vLLM's CPU build is absent: pip install -r requirements-dev.txt")
 pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves these out
+# test.sh runs the tests on two workers (pytest-xdist); the real-engine tests share one, so the two
+# vLLM-sized warm starts (the fixtures tiny_vllm and tiny_vllm_tied) are built once
+same_worker = pytest.mark.xdist_group("vllm_sized")
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -38,6 +41,7 @@ def run(cmd, timeout=600):
 # ---- the real engine -------------------------------------------------------------------------------------
 
 @real_vllm
+@same_worker
 def test_real_engine_sync_seeds_and_self_check(tiny_vllm, tmp_path):
     model = str(tiny_vllm[0] / "model")
     check = os.path.join(ROOT, "tests", "vllm_engine_check.py")
@@ -61,6 +65,7 @@ def test_real_engine_sync_seeds_and_self_check(tiny_vllm, tmp_path):
 
 
 @real_vllm
+@same_worker
 def test_real_engine_trains_on_two_ranks_resumes_and_evaluates(tiny_vllm, tmp_path):
     d, _ = tiny_vllm
     out = tmp_path / "run"
@@ -80,6 +85,7 @@ def test_real_engine_trains_on_two_ranks_resumes_and_evaluates(tiny_vllm, tmp_pa
 
 
 @real_vllm
+@same_worker
 def test_real_engine_judge_runs_in_a_process_of_its_own_on_two_ranks(tiny_vllm, tmp_path):
     """eval.py --judge on 2 ranks: each rank's policy engine samples, then each rank starts a judge process
     whose engine is the only one it ever builds (rollout.VLLMEngine refuses a second in a process); every
@@ -106,6 +112,7 @@ def test_real_engine_judge_runs_in_a_process_of_its_own_on_two_ranks(tiny_vllm, 
 
 
 @real_vllm
+@same_worker
 @pytest.mark.parametrize("tied,dtype", [(False, "bf16"), (True, "fp32")])
 def test_real_engine_trains_tied_and_untied_models_in_both_dtypes(tied, dtype, tiny_vllm, tiny_vllm_tied, tmp_path):
     """The other two corners (the test above: untied, fp32; the smoke test below: tied, bf16): 2 ranks, 2 steps,
@@ -126,6 +133,7 @@ def test_real_engine_trains_tied_and_untied_models_in_both_dtypes(tied, dtype, t
 
 
 @real_vllm
+@same_worker
 def test_the_gpu_smoke_test_runs_on_cpu(tiny_vllm_tied, tmp_path):
     """examples/gpu_smoke.py, as a user runs it on a new GPU node, here on vLLM's CPU build with a tied tiny
     model in bf16: 1 rank, then 2 ranks resuming with --eval-every, then eval.py --judge; all items pass."""
