@@ -15,8 +15,8 @@ from parallel import all_reduce_numbers
 # ---- the model -----------------------------------------------------------------------------------
 
 class Policy(torch.nn.Module):
-    """A causal LM whose forward gives log p and the head's [M, 3] statistics (H, sum pi^2,
-    sum pi^2 log pi) of the response tokens, never the full logits."""
+    """A causal LM whose forward gives log p and the head's [M, 2] statistics (H, sum pi^2) of the
+    response tokens, never the full logits."""
 
     def __init__(self, lm):
         super().__init__()
@@ -95,7 +95,7 @@ def micro_batches(rows, idx, budget):
 
 def response_logprobs(policy, rows, idx, valid, temperature):
     """The policy's one forward path: log p [len(idx), R] of the response tokens of samples idx
-    (zero outside `valid`), with the graph, and the head's statistics [len(idx), R, 3]."""
+    (zero outside `valid`), with the graph, and the head's statistics [len(idx), R, 2]."""
     device = valid.device
     seqs = [rows[i][0] + rows[i][1] for i in idx]
     ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
@@ -105,7 +105,7 @@ def response_logprobs(policy, rows, idx, valid, temperature):
         response[k, len(rows[i][0]):len(s)] = True
     logp, stats = policy(ids.to(device), response.to(device), temperature)
     v = valid[idx]
-    padded = torch.zeros(*v.shape, 3, device=device)
+    padded = torch.zeros(*v.shape, 2, device=device)
     padded[v] = stats
     return torch.zeros(v.shape, device=device).masked_scatter(v, logp), padded
 
@@ -115,7 +115,7 @@ def measure(policy, rows, idx, valid, args):
     """response_logprobs of mini-batch idx without a graph, in the micro-batches update() runs it
     in: the same shapes, so the same numbers for the same weights."""
     logp = torch.zeros(len(idx), valid.shape[1], device=valid.device)
-    stats = torch.zeros(len(idx), valid.shape[1], 3, device=valid.device)
+    stats = torch.zeros(len(idx), valid.shape[1], 2, device=valid.device)
     at = {i: k for k, i in enumerate(idx)}
     for mb in micro_batches(rows, idx, args.micro_tokens):
         out = response_logprobs(policy, rows, mb or idx[:1], valid, args.temperature)

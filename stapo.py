@@ -166,16 +166,39 @@ def rollout_is_weights(old_logp, sampler_logp, valid, level="token", cap=2.0, mo
     return w.expand_as(old_logp) * valid, log_rho.double().exp()
 
 
+def loss_token_weight(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high=0.28, clip_c=10.0,
+                      max_log_ratio=20.0):
+    """d stapo_loss / d logp of each token, for the same arguments: the weight the loss gives the token's
+    gradient, so the loss's gradient on the token's logits is this weight times (e_y - pi) / T. No graph.
+        -A * ratio * keep / num_tokens   where the unclipped term is the live one:
+                                           A > 0 and ratio <= 1 + eps_high            (clip-higher)
+                                           A < 0 and 1 - eps_low <= ratio <= clip_c   (clip, dual clip)
+                                           and |log ratio| <= max_log_ratio           (the clamp)
+        0                                elsewhere: a clip or the clamp holds the term, A = 0, keep = 0
+    """
+    adv = (adv if adv.dim() == logp.dim() else adv[:, None]).float().expand_as(logp)
+    log_ratio = logp.detach().float() - old_logp.detach().float()
+    ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio).exp()
+    upper = torch.where(adv > 0, 1 + eps_high, math.inf if clip_c is None else clip_c)
+    lower = torch.where(adv > 0, 0.0, 1 - eps_low)
+    live = (keep > 0) & (ratio >= lower) & (ratio <= upper) & (log_ratio.abs() <= max_log_ratio)
+    n = float(keep.sum() if num_tokens is None else num_tokens)
+    return torch.where(live, -adv * ratio * keep / n, 0.0) if n > 0 else torch.zeros_like(ratio)
+
+
 def logit_gradient_norm(logp, collision, weight, temperature=1.0):
-    """||d (w log pi_y) / d a|| of each token, a its logits, pi = softmax(a / T), w = ratio * A (the
-    paper's identity): ||grad||^2 = w^2 (1 - 2 pi_y + sum_n pi_n^2) / T^2, sum pi^2 >= exp(-H)."""
+    """||d (w log pi_y) / d a|| of each token, a its logits, pi = softmax(a / T) (the paper's identity, with
+    w = A): ||grad||^2 = w^2 (1 - 2 pi_y + sum_n pi_n^2) / T^2, sum pi^2 >= exp(-H). With w the loss's own
+    weight (loss_token_weight) it is the norm of the gradient the loss applies there."""
     return weight.abs() / temperature * (1 - 2 * logp.exp() + collision).clamp(min=0).sqrt()
 
 
-def entropy_change(logp, entropy, collision, pi2_log_pi, weight):
-    """The first-order change of H at each token's position after a gradient step on w log pi_y,
-    up to the positive factor lr / T^2: -w (pi_y (log pi_y + H) - sum_n pi_n^2 (log pi_n + H))."""
-    return -weight * (logp.exp() * (logp + entropy) - (pi2_log_pi + entropy * collision))
+def entropy_change(logp, entropy, weight):
+    """The paper's lemma: the first-order change of H at a token's position under a natural-gradient step,
+    logit_y += eta * w (w = A in the paper), per unit eta: dH = -w pi_y (log pi_y + H). (A plain gradient
+    step on the logits, a += eta * w (e_y - pi), changes H by -eta w (pi_y (log pi_y + H) - sum_n pi_n^2
+    (log pi_n + H)) instead; BAPO's form carries a factor 1 - pi_y.)"""
+    return -weight * logp.exp() * (logp + entropy)
 
 
 # ==== The trainer: torchrun stapo.py --model ... (also one CPU process, or several under gloo) ====
@@ -267,7 +290,7 @@ class Batch:
     adv: torch.Tensor           # [N] the group advantage of each sample
     sampler: torch.Tensor       # [N, R] the sampler's log p of each token (vLLM), or None
     old_logp: torch.Tensor      # [N, R] log p under the policy that sampled (step 4 fills it)
-    old_stats: torch.Tensor     # [N, R, 3] the head's statistics there: H, sum pi^2, sum pi^2 log pi
+    old_stats: torch.Tensor     # [N, R, 2] the head's statistics there: H, sum pi^2
 
 
 def make_batch(prompts, groups, adv, device):
@@ -277,7 +300,7 @@ def make_batch(prompts, groups, adv, device):
     lengths = torch.tensor([len(s.tokens) for s in samples])
     valid = (torch.arange(max(1, int(lengths.max()))) < lengths[:, None]).to(device)
     old = torch.zeros(valid.shape, device=device)
-    stats = torch.zeros(*valid.shape, 3, device=device)
+    stats = torch.zeros(*valid.shape, 2, device=device)
     return Batch(rows, valid, adv.to(device), sampler_logprobs(samples, valid), old, stats)
 
 
@@ -351,26 +374,31 @@ def train_minibatch(policy, opt, batch, idx, first, args, record):
     record.peak("forward")
     s2t = spurious_tokens(logp, stats[..., 0], batch.adv[idx], batch.valid[idx], args)
     keep, denom = token_weights(args.method, stats[..., 0], batch.valid[idx], s2t)
+    unsilenced = batch.valid[idx].float() if args.method == "stapo" else keep  # S2T's set kept: the analysis
     if args.rollout_is != "none":  # the mismatch's weights multiply the kept tokens' losses
         w, rho = rollout_is_weights(batch.old_logp[idx], batch.sampler[idx], batch.valid[idx],
                                     args.rollout_is, args.rollout_is_cap, args.rollout_is_mode)
-        keep = keep * w
+        keep, unsilenced = keep * w, unsilenced * w
         record.importance(rho if args.rollout_is == "sequence" else rho[batch.valid[idx]])
-    analyse(logp, stats, batch, idx, s2t, args, record)
-    grad_norm = update(policy, opt, batch, MiniBatch(idx, keep, denom), args, record)
+    mb = MiniBatch(idx, keep, denom)
+    analyse(logp, stats, batch, mb, unsilenced, s2t, args, record)
+    grad_norm = update(policy, opt, batch, mb, args, record)
     record.minibatch(args.method, s2t, grad_norm, batch.rows, idx)
 
 
-def analyse(logp, stats, batch, idx, s2t, args, record):
-    """The paper's token-level view of a mini-batch: each token's logit-gradient norm and entropy
-    change, for StepMetrics.analysis to sum by group."""
-    ent, collision, pi2_log_pi = stats.unbind(-1)
-    weight = (logp - batch.old_logp[idx]).exp() * batch.adv[idx, None]  # ratio * A
-    norm = logit_gradient_norm(logp, collision, weight, args.temperature)
-    change = entropy_change(logp, ent, collision, pi2_log_pi, weight)
-    cut = float(quantile(gather_cat(ent[batch.valid[idx]]), 0.5))
-    adv = batch.adv[idx, None].expand_as(logp)
-    record.analysis((logp.exp() < args.tau_p, adv, ent, batch.valid[idx], norm, change), s2t, cut)
+def analyse(logp, stats, batch, mb, unsilenced, s2t, args, record):
+    """The paper's token-level view of a mini-batch, for metrics.TokenAnalysis to sum: the norm of the
+    gradient the loss applies to each token's logits, and of the one it would apply with S2T's set kept
+    (`unsilenced`: keep with those tokens back); each token's policy-gradient norm and entropy change
+    (the paper's identity and lemma, with w = ratio * A, before the clips and S2T)."""
+    ent, collision = stats.unbind(-1)
+    old, adv = batch.old_logp[mb.idx], batch.adv[mb.idx, None].expand_as(logp)
+    norm = lambda w: logit_gradient_norm(logp, collision, w, args.temperature)  # noqa: E731
+    applied, if_kept = (loss_token_weight(logp, old, adv, k, mb.denom, *clip_settings(args))
+                        for k in (mb.keep, unsilenced))
+    weight = (logp - old).exp() * adv  # ratio * A
+    tokens = (norm(applied), norm(if_kept), norm(weight), entropy_change(logp, ent, weight))
+    record.analysis.add(s2t, logp.exp() < args.tau_p, adv, batch.valid[mb.idx], tokens)
 
 
 def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
