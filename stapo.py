@@ -20,7 +20,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from checkpoint import load_checkpoint, save_checkpoint, save_hf
-from eval import evaluate_during_training, longest_prompt
+from eval import PRESETS as EVAL_PRESETS, evaluate_during_training, longest_prompt
 from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after
 from parallel import all_reduce_numbers, check_shared_out, gather, gather_cat, init_distributed
 from policy import build_policy, measure, micro_batches, response_logprobs
@@ -203,8 +203,10 @@ def entropy_change(logp, entropy, weight):
 
 # ==== The trainer: torchrun stapo.py --model ... (also one CPU process, or several under gloo) ====
 
-# Every setting is a flag; `python stapo.py --help` lists them in four groups. Whose each default is:
-# (paper) STAPO's, (JustRL) the recipe STAPO builds on, (ours) this trainer's choice.
+# Every setting is a flag; `python stapo.py --help` lists them in four groups. Each default of the first
+# group says whose it is: (paper) STAPO's own, (JustRL) the recipe STAPO builds on and keeps, (ours) where
+# this trainer departs from the paper (--reward only). The defaults of the other groups are ours, but for
+# the in-training evaluation's, which are eval.py's.
 FLAGS = {
     "the paper's settings (README: The paper's settings)": [
         ("method", "stapo", "the objective; the others are the paper's baselines (paper)",
@@ -227,6 +229,8 @@ FLAGS = {
         ("clip_c", 10.0, "the dual clip's c, for A < 0 tokens (JustRL)"),
         ("tau_p", 0.002, "S2T: a candidate's probability is below this (paper)"),
         ("q", 0.75, "S2T: tau_h is this quantile of the candidates' entropies (paper)"),
+        ("reward", "equiv", "+1 when the last box is equivalent to the gold (ours); dapo: the box "
+         "string-equal to the gold, DAPO's reward, the paper's (reward.dapo_score)", ["equiv", "dapo"]),
     ],
     "the run": [
         ("out", "runs/stapo", "the run's folder: config, metrics.jsonl, checkpoints, the model"),
@@ -252,6 +256,8 @@ FLAGS = {
         ("rollout_is_mode", "truncate", "above the cap: truncate the weight, or mask the token",
          ["truncate", "mask"]),
         ("eval_every", 0, "evaluate every N steps (0: never)"),
+        ("eval_preset", "train", "the evaluation's temperature and top-p, one of eval.PRESETS (the paper's "
+         "two settings; train, eval.py's default: 1.0 and 1.0)", list(EVAL_PRESETS)),
         ("eval_benchmarks", "aime24,math500", "comma list of eval.py's benchmarks"),
         ("eval_max_tokens", 20480, "the evaluation's response limit"),
         ("eval_samples", 0, "samples per problem (0: eval.py's k per benchmark)"),
@@ -411,9 +417,9 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
                              args.max_response_len, seeds)
     engine.sleep()
 
-    # 2. Reward: +1 if the last \boxed{} is equivalent to the gold, else -1
+    # 2. Reward: +1 if the last \boxed{} is right (--reward: equivalent to the gold, or DAPO's), else -1
     texts = tok.batch_decode([s.tokens for group in groups for s in group], skip_special_tokens=True)
-    rewards = torch.tensor(score_all(texts, [a for _, _, a in prompts for _ in range(G)]))
+    rewards = torch.tensor(score_all(texts, [a for _, _, a in prompts for _ in range(G)], args.reward))
 
     # 3. Advantages: normalised within each group of G
     batch = make_batch(prompts, groups, group_advantages(rewards, G), device)

@@ -635,3 +635,26 @@ def test_memory_peak_on_cuda_leaves_out_what_torch_allocated_in_vllms_pool(monke
     monkeypatch.delitem(sys.modules, "vllm.device_allocator.cumem")  # no engine with sleep mode: all counts
     assert metrics.memory_peak() == 50.0
 
+
+def test_reward_dapo_trains_on_the_papers_reward(tiny, tmp_path):
+    """--reward dapo scores the step's samples with DAPO's strict box (reward.dapo_score): a zero-padded
+    `\\boxed{017}` for the gold 17 is right under the default equivalence checker and wrong under DAPO's string
+    match. Per prompt: the exact box, the padded box, two wrong ones; accuracy 1/2 (equiv) against 1/4 (dapo).
+    Breaks if the flag does not reach score_all (both give 1/2)."""
+    d, tok = tiny
+    rank, world, device, mesh = parallel.init_distributed()
+    data = problems.load_problems(str(d / "train.jsonl"))[:4]
+    prompts = [(i, problems.encode_prompt(tok, p), a) for i, (p, a) in enumerate(data)]
+    assert all(a.isdigit() and a != "99" for _, _, a in prompts)
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
+    texts = ["\\boxed{%s}", "\\boxed{0%s}", "\\boxed{99}", "\\boxed{99}"]
+    groups = [[Sample(ids(t % a if "%" in t else t), "stop") for t in texts] for _, _, a in prompts]
+    accuracy = {}
+    for reward in ("equiv", "dapo"):
+        args = stapo.get_args(args_for(d, tmp_path, "--lr", "0", "--reward", reward))
+        policy = stapo.build_policy(args.model, mesh, device)
+        opt = torch.optim.AdamW(policy.parameters(), lr=0.0)
+        row, _ = stapo.train_step(0, policy, opt, FixedEngine(groups, args.model, tok), tok, prompts, args,
+                                  device, PROBE)
+        accuracy[reward] = row["accuracy"]
+    assert accuracy == {"equiv": 0.5, "dapo": 0.25}
