@@ -168,8 +168,8 @@ def rollout_is_weights(old_logp, sampler_logp, valid, level="token", cap=2.0, mo
 
 def loss_token_weight(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high=0.28, clip_c=10.0,
                       max_log_ratio=20.0):
-    """d stapo_loss / d logp of each token, for the same arguments: the weight the loss gives the token's
-    gradient, so the loss's gradient on the token's logits is this weight times (e_y - pi) / T. No graph.
+    """d stapo_loss / d logp of each token (paper: the token's term of grad J_STAPO), for the same arguments:
+    the loss's gradient on the token's logits is this weight times (e_y - pi) / T. No graph.
         -A * ratio * keep / num_tokens   where the unclipped term is the live one:
                                            A > 0 and ratio <= 1 + eps_high            (clip-higher)
                                            A < 0 and 1 - eps_low <= ratio <= clip_c   (clip, dual clip)
