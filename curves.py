@@ -7,10 +7,12 @@
 A run folder is what `stapo.py --out` writes: metrics.jsonl (one line per step) and silenced.jsonl (one
 line per silenced token: the token, its p and H). The silenced view prints the most frequent silenced
 tokens of each run as a table (it diffs between runs) and draws the p and H histograms: the paper's
-word-cloud analysis in a form that compares. The taxonomy view sorts every token into the paper's eight
-groups (p below or above tau_p, A > 0 or < 0, H below or above the mini-batch's median H) and draws each
-group's share of the tokens, its mean gradient norm on the logits, and its mean first-order entropy change,
-over all steps of each run. matplotlib is imported only here, only when drawing.
+word-cloud analysis in a form that compares. The taxonomy view sorts the tokens into the paper's groups on
+S2T's own thresholds (A > 0 or < 0, p below or above tau_p, H below or above the mini-batch's tau_h, so that
+posA_lowP_lowH is the set S2T silences; the four posA groups are the late paper's, the four negA ones complete
+the early version's eight) and draws each group's share of the tokens, the mean norm of its policy-gradient
+term on the logits, and its mean entropy change (the paper's lemma), over all steps of each run.
+matplotlib is imported only here, only when drawing.
 """
 import argparse, collections, json, os, sys
 
@@ -23,8 +25,9 @@ PANELS = [
     ("Entropy threshold τ_h", [("tau_h", None)], "nats"),
     ("Clip fractions", [("clip_low", "low"), ("clip_high", "high")], "fraction of kept tokens"),
     ("Grad norm", [("grad_norm", None)], "before clipping"),
-    ("Share of the logit gradient", [("grad_share/silenced", "silenced"),
-                                     ("grad_share/candidates_kept", "candidates kept")], "of sum ||grad||^2"),
+    ("Share of the logit gradient", [("grad_share/silenced", "silenced"), ("grad_share/silenced_if_kept",
+                                     "silenced, if kept"), ("grad_share/candidates_kept", "candidates kept")],
+     "of sum ||grad||^2 the loss applies"),
     ("Held-out accuracy (--eval-every)", [("eval/average", None)], "avg@k (%)"),
 ]
 STYLES = ["-", "--", ":"]
@@ -116,15 +119,18 @@ def draw_silenced(runs, out, top=20):
     print(f"wrote {out}")
 
 
-GROUPS = [f"{p}P_{a}A_{h}H" for p in ("low", "high") for a in ("pos", "neg") for h in ("low", "high")]
-MEASURES = [("tokens", "share of the tokens"), ("grad_norm", "mean ||grad|| on the logits"),
-            ("dH", "mean first-order entropy change")]
+# metrics.GROUPS and metrics.SPURIOUS (the set S2T silences), without importing torch
+GROUPS = [f"{a}A_{p}P_{h}H" for a in ("pos", "neg") for p in ("low", "high") for h in ("low", "high")]
+SPURIOUS = "posA_lowP_lowH"
+MEASURES = [("tokens", "share of the tokens"), ("grad_norm", "mean ||grad|| of r A log p on the logits"),
+            ("dH", "mean entropy change (the paper's lemma)")]
 
 
 def taxonomy(rows):
     """{group: {measure: value}} over a run's steps: token shares averaged over the steps; the gradient
-    norm and the entropy change averaged over the steps, weighted by the group's share of each step."""
-    out = {}
+    norm and the entropy change averaged over the steps, weighted by the group's share of each step. The
+    steps in which no mini-batch had a tau_h (taxonomy/split 0: no S2T candidate) have no groups."""
+    out, rows = {}, [r for r in rows if r.get("taxonomy/split")]
     for g in GROUPS:
         share = [r.get(f"taxonomy/{g}/tokens") or 0.0 for r in rows]
         weighted = {m: [(s, r[f"taxonomy/{g}/{m}"]) for s, r in zip(share, rows)
@@ -146,6 +152,8 @@ def taxonomy_table(runs):
             cells += [f"{t[g]['tokens']:.3g}"] + ["-" if t[g][m] is None else f"{t[g][m]:.3g}"
                                                  for m in ("grad_norm", "dH")]
         lines.append(f"| {g} | " + " | ".join(cells) + " |")
+    lines.append(f"\n{SPURIOUS} is the set S2T silences; the posA groups are the late paper's four, the negA "
+                 "ones complete the early version's eight.")
     return "\n".join(lines)
 
 
@@ -175,7 +183,7 @@ def main(argv=None):
     p.add_argument("runs", nargs="+", help="run folders (stapo.py --out); NAME=FOLDER names a run")
     p.add_argument("--out", help="the PNG (default: curves.png, or silenced.png with --silenced)")
     p.add_argument("--silenced", action="store_true", help="what S2T silenced, instead of the curves")
-    p.add_argument("--taxonomy", action="store_true", help="the eight token groups, instead of the curves")
+    p.add_argument("--taxonomy", action="store_true", help="the token groups on S2T's thresholds instead")
     p.add_argument("--smooth", type=int, default=1, help="moving average over this many steps")
     p.add_argument("--top", type=int, default=20, help="silenced tokens listed per run")
     a = p.parse_args(argv)

@@ -177,9 +177,12 @@ def longest_prompt(tok, args):
 
 
 def evaluate_during_training(engine, tok, args, rank, world):
-    """`stapo.py --eval-every K`: the same evaluation through the trainer's engine; returns eval/<name>."""
+    """`stapo.py --eval-every K`: the same evaluation through the trainer's engine, decoded with
+    --eval-preset's temperature and top-p and graded by the equivalence checker whatever --reward trains
+    with; returns eval/<name>."""
+    temperature, top_p = PRESETS[args.eval_preset]
     mine = evaluate(engine, tok, args.eval_benchmarks.split(","), args.eval_samples or None,
-                    args.temperature, args.top_p, args.eval_max_tokens, rank, world,
+                    temperature, top_p, args.eval_max_tokens, rank, world,
                     data_dir=args.eval_data_dir or None, chat_template=args.chat_template,
                     enable_thinking=args.enable_thinking, seed=args.seed)
     records = sum(gather(mine), [])

@@ -5,7 +5,7 @@ import torch
 
 
 class ChunkedHead(torch.autograd.Function):
-    """log p(token), with H, sum(pi^2) and sum(pi^2 log pi) of each position, from hidden states.
+    """log p(token), with H and sum(pi^2) of each position, from hidden states.
 
     The forward takes `chunk` tokens at a time, one [chunk, V] fp32 logits buffer (and its exp).
     The backward recomputes the logits a slice of the vocabulary at a time, [M, V'] with M * V' no
@@ -17,7 +17,7 @@ class ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, temperature, chunk_size):
         logp, logz = (hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(2))
-        stats = hidden.new_empty(len(hidden), 3, dtype=torch.float32)  # H, sum pi^2, sum pi^2 log pi
+        stats = hidden.new_empty(len(hidden), 2, dtype=torch.float32)  # H, sum pi^2
         rows = min(chunk_size, len(hidden))  # three [chunk, V] buffers, reused by every chunk
         buffers = [hidden.new_empty(rows, len(weight), dtype=torch.float32) for _ in range(3)]
         for i in range(0, len(hidden), chunk_size):
@@ -34,7 +34,6 @@ class ChunkedHead(torch.autograd.Function):
             stats[j, 0] = log_total - torch.mul(e, z, out=product).sum(-1) / total  # -sum pi log pi
             e.square_()  # pi^2 total^2
             stats[j, 1] = e.sum(-1) / total ** 2
-            stats[j, 2] = torch.mul(e, z, out=product).sum(-1) / total ** 2 - log_total * stats[j, 1]
         ctx.save_for_backward(hidden, weight, tokens, logz)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.mark_non_differentiable(stats)

@@ -12,11 +12,8 @@ import torch.distributed as dist
 
 from parallel import all_reduce_numbers
 
-GROUPS = [f"{p}P_{a}A_{h}H" for p in ("low", "high") for a in ("pos", "neg") for h in ("low", "high")]
-SHARES = ("silenced", "candidates_kept", "rest")
 SUMS = ("samples", "correct", "reward", "flat_groups", "tokens", "valid", "entropy", "truncated",
-        "gap_n", "gap", "silenced", "kept", "clip_low", "clip_high", "is_n", "is_sum",
-        *[f"g2/{k}" for k in SHARES], *[f"{g}/{k}" for g in GROUPS for k in ("n", "norm", "dH")])
+        "gap_n", "gap", "silenced", "kept", "clip_low", "clip_high", "is_n", "is_sum")
 
 
 def memory_peak():
@@ -50,14 +47,12 @@ class StepMetrics:
 
     def __init__(self, step, tok=None):
         self.step, self.tok, self.silenced = step, tok, []  # with a tokenizer, silenced tokens are kept
-        self.sums = dict.fromkeys(SUMS, 0.0)
-        self.candidates, self.tau_h, self.grad_norm, self.entropy_cut = 0, [], [], []
-        self.is_min, self.is_max, self.peaks = float("inf"), float("-inf"), {}
-        self.t0 = time.time()
+        self.sums, self.analysis = dict.fromkeys(SUMS, 0.0), TokenAnalysis()
+        self.candidates, self.tau_h, self.grad_norm, self.peaks = 0, [], [], {}
+        self.is_min, self.is_max, self.t0 = float("inf"), float("-inf"), time.time()
 
     def add(self, **counts):
-        for key, value in counts.items():
-            self.sums[key] += float(value)
+        accumulate(self.sums, counts)
 
     def peak(self, phase):
         """The memory high-water mark of a phase of the step (rollout, forward, backward...). The first,
@@ -69,24 +64,21 @@ class StepMetrics:
                  flat_groups=(rewards.view(-1, group_size).std(1) == 0).sum(),
                  tokens=sum(len(p) + len(r) for p, r in rows),
                  truncated=sum(s.finish_reason == "length" for s in samples))
-        self.longest = max(len(s.tokens) for s in samples)
-        self.t_rollout = time.time() - self.t0
+        self.longest, self.t_rollout = max(len(s.tokens) for s in samples), time.time() - self.t0
         self.peak("rollout")
 
     def old_policy(self, batch):
         """The old policy's entropy; |sampler log p - trainer log p| (it jumps if a sync breaks)."""
         valid, old_ent = batch.valid, batch.old_stats[..., 0]
         gap = torch.zeros(0) if batch.sampler is None else (batch.sampler - batch.old_logp)[valid].abs()
-        self.add(valid=valid.sum(), entropy=old_ent[valid].sum())
-        self.add(gap_n=gap.numel(), gap=gap.sum())
+        self.add(valid=valid.sum(), entropy=old_ent[valid].sum(), gap_n=gap.numel(), gap=gap.sum())
         self.gap_max = float(gap.max()) if gap.numel() else 0.0
         self.peak("old_policy")
 
     def importance(self, rho):
         """--rollout-is: the ratios pi_old / pi_sampler (per token, or per response)."""
         self.add(is_n=rho.numel(), is_sum=rho.sum())
-        self.is_min = min(self.is_min, float(rho.min()))
-        self.is_max = max(self.is_max, float(rho.max()))
+        self.is_min, self.is_max = min(self.is_min, float(rho.min())), max(self.is_max, float(rho.max()))
 
     def loss_stats(self, st):
         """stapo_loss's clip fractions, as counts (a rank's micro-batches differ in size)."""
@@ -101,40 +93,29 @@ class StepMetrics:
         if self.tok is not None and method == "stapo":
             self.silenced += silenced_records(self.step, self.tok, rows, idx, s2t)
 
-    def analysis(self, tokens, s2t, cut):
-        """The paper's token-level view of a mini-batch, as sums over this rank's tokens: the share
-        of sum ||grad_a||^2 held by S2T's silenced tokens (under another objective: those STAPO
-        would silence), by its other candidates, and by the rest; and the eight groups, p (vs
-        tau_p) x sign A x H (vs the entropy cut). tokens: low_p, adv, entropy, valid, norm, dH."""
-        low_p, adv, ent, valid, norm, change = tokens
-        parts = [s2t["silenced"], s2t["candidates"] & ~s2t["silenced"], valid & ~s2t["candidates"]]
-        self.add(**{f"g2/{k}": norm[m].square().sum() for k, m in zip(SHARES, parts)})
-        self.entropy_cut.append(cut)
-        low_h = ent < cut
-        masks = [p & s & h for p in (low_p, ~low_p) for s in (adv > 0, adv < 0) for h in (low_h, ~low_h)]
-        for g, m in zip(GROUPS, masks):
-            m = m & valid
-            self.add(**{f"{g}/n": m.sum(), f"{g}/norm": norm[m].sum(), f"{g}/dH": change[m].sum()})
-
     def finish(self, lr, probe_gap, group_size):
         """The step's row of metrics.jsonl (the same on every rank), and this rank's silenced tokens."""
-        n = dict(zip(SUMS, all_reduce_numbers(*self.sums.values())))
-        longest, gap_max, is_max = all_reduce_numbers(self.longest, self.gap_max, self.is_max,
-                                                      op=dist.ReduceOp.MAX)
-        is_min = all_reduce_numbers(self.is_min, op=dist.ReduceOp.MIN)[0]
-        peaks = all_reduce_numbers(*self.peaks.values(), op=dist.ReduceOp.MAX)
-        step_s = time.time() - self.t0
-        row = {"step": self.step + 1, **rollout_row(n, longest, group_size), **s2t_row(self, n)}
-        row.update(grad_norm=sum(self.grad_norm) / len(self.grad_norm), lr=lr)
-        row.update(sync_row(n, gap_max, probe_gap))
-        row.update(rollout_s=self.t_rollout, train_s=step_s - self.t_rollout, step_s=step_s,
-                   tokens_per_s=n["tokens"] / step_s)
-        if n["is_n"]:
-            row.update(rollout_is_min=is_min, rollout_is_mean=n["is_sum"] / n["is_n"], rollout_is_max=is_max)
-        row.update(analysis_row(n, self.entropy_cut))
-        row.update({f"peak_gb/{phase}": gb for phase, gb in zip(self.peaks, peaks)})
-        row.update(taxonomy_row(n))
+        n, analysed, top, is_min = over_ranks(self)
+        row = {"step": self.step + 1, **rollout_row(n, top[0], group_size), **s2t_row(self, n), "lr": lr}
+        row.update(grad_norm=sum(self.grad_norm) / len(self.grad_norm), **sync_row(n, top[1], probe_gap))
+        row.update(resources_row(self, n["tokens"], top[3:]), **importance_row(n, is_min, top[2]))
+        row.update(TokenAnalysis.shares_row(analysed), **TokenAnalysis.taxonomy_row(analysed))
         return row, self.silenced
+
+
+def over_ranks(m):
+    """A step's sums over all ranks (its own and the analysis's), its maxima (the longest response, the
+    largest gap and rollout-IS ratio, the memory peaks) and the smallest rollout-IS ratio."""
+    summed = all_reduce_numbers(*m.sums.values(), *m.analysis.sums.values())
+    top = all_reduce_numbers(m.longest, m.gap_max, m.is_max, *m.peaks.values(), op=dist.ReduceOp.MAX)
+    is_min = all_reduce_numbers(m.is_min, op=dist.ReduceOp.MIN)[0]
+    return dict(zip(SUMS, summed)), dict(zip(m.analysis.sums, summed[len(SUMS):])), top, is_min
+
+
+def accumulate(sums, counts):
+    """sums[key] += each count, as a Python float (a tensor's .item())."""
+    for key, value in counts.items():
+        sums[key] += float(value)
 
 
 def rollout_row(n, longest, group_size):
@@ -171,22 +152,87 @@ def sync_row(n, gap_max, probe_gap):
     }
 
 
-def analysis_row(n, cuts):
-    total = sum(n[f"g2/{k}"] for k in SHARES)
-    row = {f"grad_share/{k}": n[f"g2/{k}"] / total if total else None for k in SHARES}
-    row["entropy_cut"] = sum(cuts) / len(cuts)
-    return row
+def resources_row(m, tokens, peaks):
+    """The rollout's, the training's and the step's seconds, tokens per second, each phase's memory peak."""
+    step_s = time.time() - m.t0
+    row = {"rollout_s": m.t_rollout, "train_s": step_s - m.t_rollout, "step_s": step_s,
+           "tokens_per_s": tokens / step_s}
+    return {**row, **{f"peak_gb/{phase}": gb for phase, gb in zip(m.peaks, peaks)}}
 
 
-def taxonomy_row(n):
-    """Each group's share of the tokens, mean gradient norm and mean entropy change."""
-    row, tokens = {}, sum(n[f"{g}/n"] for g in GROUPS)
-    for g in GROUPS:
-        k = n[f"{g}/n"]
-        row[f"taxonomy/{g}/tokens"] = k / tokens if tokens else 0.0
-        row[f"taxonomy/{g}/grad_norm"] = n[f"{g}/norm"] / k if k else None
-        row[f"taxonomy/{g}/dH"] = n[f"{g}/dH"] / k if k else None
-    return row
+def importance_row(n, is_min, is_max):
+    """--rollout-is: the ratios' min, mean and max (nothing without it)."""
+    if not n["is_n"]:
+        return {}
+    return {"rollout_is_min": is_min, "rollout_is_mean": n["is_sum"] / n["is_n"], "rollout_is_max": is_max}
+
+
+# ---- the paper's token-level analysis --------------------------------------------------------------------
+
+# The taxonomy's eight groups: the sign of A, p below or above tau_p, H below or above S2T's tau_h. The four
+# posA groups are the late paper's (posA_lowP_lowH is the set S2T silences); with the four negA groups they
+# are the early version's eight.
+GROUPS = [f"{a}A_{p}P_{h}H" for a in ("pos", "neg") for p in ("low", "high") for h in ("low", "high")]
+SPURIOUS = "posA_lowP_lowH"
+SHARES = ("silenced", "candidates_kept", "rest")
+
+
+def token_groups(low_p, adv, entropy, valid, tau_h):
+    """{group: bool mask [N, T]} of the valid tokens with A != 0, H split at tau_h (S2T's threshold of the
+    mini-batch); with low_p = p < tau_p, the SPURIOUS group is exactly s2t_mask's silenced set."""
+    low_h = entropy < tau_h
+    masks = [s & p & h for s in (adv > 0, adv < 0) for p in (low_p, ~low_p) for h in (low_h, ~low_h)]
+    return {g: m & valid for g, m in zip(GROUPS, masks)}
+
+
+class TokenAnalysis:
+    """The paper's token-level view of a step, as sums over this rank's tokens (StepMetrics sums them
+    over ranks). Each mini-batch adds (stapo.analyse):
+      - each set's sum of ||grad_a||^2 under the gradient the loss applies (S2T's silenced set, its other
+        candidates, the rest), and the silenced set's sum under the gradient it would get if kept;
+      - the eight groups' token counts, sums of the policy-gradient norm and of the entropy change, in the
+        mini-batches where S2T has a tau_h. With no candidate on any rank there is no tau_h to split H at:
+        the mini-batch is left out of the groups, and `taxonomy/split` says how much was split."""
+
+    def __init__(self):
+        keys = [*[f"g2/{k}" for k in SHARES], "g2/silenced_if_kept", "nonzero", "split"]
+        self.sums = dict.fromkeys(keys + [f"{g}/{k}" for g in GROUPS for k in ("n", "norm", "dH")], 0.0)
+
+    def add(self, s2t, low_p, adv, valid, tokens):
+        """tokens: [N, T] norms of the applied gradient, of the gradient were S2T's set kept, of the
+        policy-gradient term (w = ratio * A), and the entropy change."""
+        applied, if_kept, norm, change = tokens
+        silenced, candidates = s2t["silenced"], s2t["candidates"]
+        parts = [silenced, candidates & ~silenced, valid & ~candidates]
+        add = {f"g2/{k}": applied[m].square().sum() for k, m in zip(SHARES, parts)}
+        add["g2/silenced_if_kept"] = if_kept[silenced].square().sum()
+        add["nonzero"] = (valid & (adv != 0)).sum()
+        if s2t["tau_h"] is not None:
+            add["split"] = add["nonzero"]
+            for g, m in token_groups(low_p, adv, s2t["entropy"], valid, s2t["tau_h"]).items():
+                add.update({f"{g}/n": m.sum(), f"{g}/norm": norm[m].sum(), f"{g}/dH": change[m].sum()})
+        accumulate(self.sums, add)
+
+    @staticmethod
+    def shares_row(n):
+        """Each set's share of sum ||grad_a||^2 as the loss applies it; and the silenced set's share were it
+        kept (the same loss, those tokens given back their weight)."""
+        total = sum(n[f"g2/{k}"] for k in SHARES)
+        row = {f"grad_share/{k}": n[f"g2/{k}"] / total if total else None for k in SHARES}
+        if_kept = total - n["g2/silenced"] + n["g2/silenced_if_kept"]
+        row["grad_share/silenced_if_kept"] = n["g2/silenced_if_kept"] / if_kept if if_kept else None
+        return row
+
+    @staticmethod
+    def taxonomy_row(n):
+        """Each group's share of the split tokens, mean policy-gradient norm and mean entropy change."""
+        row, tokens = {"taxonomy/split": n["split"] / n["nonzero"] if n["nonzero"] else 0.0}, n["split"]
+        for g in GROUPS:
+            k = n[f"{g}/n"]
+            row[f"taxonomy/{g}/tokens"] = k / tokens if tokens else 0.0
+            row[f"taxonomy/{g}/grad_norm"] = n[f"{g}/norm"] / k if k else None
+            row[f"taxonomy/{g}/dH"] = n[f"{g}/dH"] / k if k else None
+        return row
 
 
 def silenced_records(step, tok, rows, idx, s2t):

@@ -816,8 +816,7 @@ class _Worker:
     def __init__(self):
         here = os.path.dirname(os.path.abspath(__file__))
         serve = "import sys; sys.path.insert(0, %r); import reward; reward._serve()" % here
-        # a session of its own: Ctrl-C, or torchrun's SIGTERM to the trainer's group, must not kill the checks of
-        # the step the trainer finishes before it stops (checkpoint.StopAtStepEnd)
+        # a session of its own: a signal to the trainer's group must spare the checks of its last step (StopAtStepEnd)
         self.proc = subprocess.Popen([sys.executable, "-c", serve], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
                                      start_new_session=True)

@@ -16,16 +16,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from checkpoint import StopAtStepEnd, load_checkpoint, save_hf, used_out
-from eval import evaluate_during_training, longest_prompt
-from head import ChunkedHead
+from eval import PRESETS as EVAL_PRESETS, evaluate_during_training, longest_prompt
 from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after
 from parallel import all_reduce_numbers, check_shared_out, gather, gather_cat, init_distributed, refuse_used_out
+from policy import build_policy, measure, micro_batches, response_logprobs
 from problems import encode_problems, load_problems, probe_tokens, seed_of, step_prompts
 from reward import score_all
 from rollout import compute_dtype, full_params, make_engine, sampler_logprobs
@@ -168,22 +166,47 @@ def rollout_is_weights(old_logp, sampler_logp, valid, level="token", cap=2.0, mo
     return w.expand_as(old_logp) * valid, log_rho.double().exp()
 
 
+def loss_token_weight(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high=0.28, clip_c=10.0,
+                      max_log_ratio=20.0):
+    """d stapo_loss / d logp of each token (paper: the token's term of grad J_STAPO), for the same arguments:
+    the loss's gradient on the token's logits is this weight times (e_y - pi) / T. No graph.
+        -A * ratio * keep / num_tokens   where the unclipped term is the live one:
+                                           A > 0 and ratio <= 1 + eps_high            (clip-higher)
+                                           A < 0 and 1 - eps_low <= ratio <= clip_c   (clip, dual clip)
+                                           and |log ratio| <= max_log_ratio           (the clamp)
+        0                                elsewhere: a clip or the clamp holds the term, A = 0, keep = 0
+    """
+    adv = (adv if adv.dim() == logp.dim() else adv[:, None]).float().expand_as(logp)
+    log_ratio = logp.detach().float() - old_logp.detach().float()
+    ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio).exp()
+    upper = torch.where(adv > 0, 1 + eps_high, math.inf if clip_c is None else clip_c)
+    lower = torch.where(adv > 0, 0.0, 1 - eps_low)
+    live = (keep > 0) & (ratio >= lower) & (ratio <= upper) & (log_ratio.abs() <= max_log_ratio)
+    n = float(keep.sum() if num_tokens is None else num_tokens)
+    return torch.where(live, -adv * ratio * keep / n, 0.0) if n > 0 else torch.zeros_like(ratio)
+
+
 def logit_gradient_norm(logp, collision, weight, temperature=1.0):
-    """||d (w log pi_y) / d a|| of each token, a its logits, pi = softmax(a / T), w = ratio * A (the
-    paper's identity): ||grad||^2 = w^2 (1 - 2 pi_y + sum_n pi_n^2) / T^2, sum pi^2 >= exp(-H)."""
+    """||d (w log pi_y) / d a|| of each token, a its logits, pi = softmax(a / T) (the paper's identity, with
+    w = A): ||grad||^2 = w^2 (1 - 2 pi_y + sum_n pi_n^2) / T^2, sum pi^2 >= exp(-H). With w the loss's own
+    weight (loss_token_weight) it is the norm of the gradient the loss applies there."""
     return weight.abs() / temperature * (1 - 2 * logp.exp() + collision).clamp(min=0).sqrt()
 
 
-def entropy_change(logp, entropy, collision, pi2_log_pi, weight):
-    """The first-order change of H at each token's position after a gradient step on w log pi_y,
-    up to the positive factor lr / T^2: -w (pi_y (log pi_y + H) - sum_n pi_n^2 (log pi_n + H))."""
-    return -weight * (logp.exp() * (logp + entropy) - (pi2_log_pi + entropy * collision))
+def entropy_change(logp, entropy, weight):
+    """The paper's lemma: the first-order change of H at a token's position under a natural-gradient step,
+    logit_y += eta * w (w = A in the paper), per unit eta: dH = -w pi_y (log pi_y + H). (A plain gradient
+    step on the logits, a += eta * w (e_y - pi), changes H by -eta w (pi_y (log pi_y + H) - sum_n pi_n^2
+    (log pi_n + H)) instead; BAPO's form carries a factor 1 - pi_y.)"""
+    return -weight * logp.exp() * (logp + entropy)
 
 
 # ==== The trainer: torchrun stapo.py --model ... (also one CPU process, or several under gloo) ====
 
-# Every setting is a flag; `python stapo.py --help` lists them in four groups. Whose each default is:
-# (paper) STAPO's, (JustRL) the recipe STAPO builds on, (ours) this trainer's choice.
+# Every setting is a flag; `python stapo.py --help` lists them in four groups. Each default of the first
+# group says whose it is: (paper) STAPO's own, (JustRL) the recipe STAPO builds on and keeps, (ours) where
+# this trainer departs from the paper (--reward only). The defaults of the other groups are ours, but for
+# the in-training evaluation's, which are eval.py's.
 FLAGS = {
     "the paper's settings (README: The paper's settings)": [
         ("method", "stapo", "the objective; the others are the paper's baselines (paper)",
@@ -206,6 +229,8 @@ FLAGS = {
         ("clip_c", 10.0, "the dual clip's c, for A < 0 tokens (JustRL)"),
         ("tau_p", 0.002, "S2T: a candidate's probability is below this (paper)"),
         ("q", 0.75, "S2T: tau_h is this quantile of the candidates' entropies (paper)"),
+        ("reward", "equiv", "+1 when the last box is equivalent to the gold (ours); dapo: the box "
+         "string-equal to the gold, DAPO's reward, the paper's (reward.dapo_score)", ["equiv", "dapo"]),
     ],
     "the run": [
         ("out", "runs/stapo", "the run's folder: config, metrics.jsonl, checkpoints, the model"),
@@ -231,6 +256,8 @@ FLAGS = {
         ("rollout_is_mode", "truncate", "above the cap: truncate the weight, or mask the token",
          ["truncate", "mask"]),
         ("eval_every", 0, "evaluate every N steps (0: never)"),
+        ("eval_preset", "train", "the evaluation's temperature and top-p, one of eval.PRESETS (the paper's "
+         "two settings; train, eval.py's default: 1.0 and 1.0)", list(EVAL_PRESETS)),
         ("eval_benchmarks", "aime24,math500", "comma list of eval.py's benchmarks"),
         ("eval_max_tokens", 20480, "the evaluation's response limit"),
         ("eval_samples", 0, "samples per problem (0: eval.py's k per benchmark)"),
@@ -259,118 +286,6 @@ def get_args(argv=None):
     return p.parse_args(argv)
 
 
-# ---- the model -----------------------------------------------------------------------------------
-
-class Policy(torch.nn.Module):
-    """A causal LM whose forward gives log p and the head's [M, 3] statistics (H, sum pi^2,
-    sum pi^2 log pi) of the response tokens, never the full logits."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, ids, response, temperature):
-        """ids are right-padded, so causal attention alone never lets a real token see a pad: no
-        mask is needed, and attention runs the fused causal kernel (no [T, T] mask or scores)."""
-        h = self.lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-        at = response[:, 1:]  # the hidden state at t predicts token t + 1
-        weight = self.lm.get_output_embeddings().weight
-        return ChunkedHead.apply(h[:, :-1][at], weight, ids[:, 1:][at], float(temperature), 128)
-
-
-def refuse_unusual_head(lm, path):
-    """Policy computes logits as hidden @ lm_head.weight; a model whose logits differ is refused."""
-    scalings = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-    values = {k: getattr(lm.config, k, None) for k in scalings}
-    odd = [f"{k}={v}" for k, v in values.items() if v not in (None, 1, 1.0)]
-    if getattr(lm.get_output_embeddings(), "bias", None) is not None:
-        odd.append("an lm_head bias")
-    if odd:
-        raise ValueError(f"--model {path}: its logits are not hidden @ lm_head.weight "
-                         f"({', '.join(odd)}); stapo.Policy would compute wrong log-probs for it, "
-                         "so it is refused")
-
-
-def build_policy(path, mesh, device, dtype=torch.float32):
-    """fp32 master weights sharded by FSDP2 per decoder layer, then the root; `dtype` is the compute
-    dtype (--dtype bf16: bf16 forward and backward, gradients reduced in fp32). Every rank builds
-    the model on the meta device; only rank 0 reads the checkpoint into host memory, and the shards
-    are filled by broadcast from it (8 ranks do not hold 8 full copies)."""
-    config = AutoConfig.from_pretrained(path)
-    export_dtype = getattr(config, "dtype", None) or torch.float32  # save_hf exports this dtype
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    refuse_unusual_head(lm, path)
-    lm.export_dtype = export_dtype
-    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    policy = Policy(lm)
-    for layer in lm.get_decoder().layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(policy, mesh=mesh, mp_policy=mp)
-    policy.to_empty(device=device)
-    full = None
-    if dist.get_rank() == 0:
-        full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(lm, full.state_dict() if full else {}, options=options)
-    for name, buffer in lm.named_buffers():  # non-persistent (rotary inv_freq): in no state dict
-        if full is not None:
-            buffer.copy_(full.get_buffer(name))
-        dist.broadcast(buffer, src=0)
-    return policy.train()
-
-
-# ---- the policy's passes over a batch ------------------------------------------------------------
-
-def micro_batches(rows, idx, budget):
-    """Split sample indices into micro-batches of at most `budget` padded tokens, shortest samples
-    first (similar lengths share a micro-batch, so little of it is padding), the same count on every
-    rank (FSDP's collectives need it): a rank with fewer runs empty ones (None)."""
-    out, cur, longest = [], [], 0
-    for i in sorted(idx, key=lambda i: len(rows[i][0]) + len(rows[i][1])):
-        n = len(rows[i][0]) + len(rows[i][1])
-        if cur and max(longest, n) * (len(cur) + 1) > budget:
-            out.append(cur)
-            cur, longest = [], 0
-        cur, longest = cur + [i], max(longest, n)
-    if cur:
-        out.append(cur)
-    count = int(all_reduce_numbers(len(out), op=dist.ReduceOp.MAX)[0])
-    return out + [None] * (count - len(out))
-
-
-def response_logprobs(policy, rows, idx, valid, temperature):
-    """The policy's one forward path: log p [len(idx), R] of the response tokens of samples idx
-    (zero outside `valid`), with the graph, and the head's statistics [len(idx), R, 3]."""
-    device = valid.device
-    seqs = [rows[i][0] + rows[i][1] for i in idx]
-    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-    response = torch.zeros_like(ids, dtype=torch.bool)
-    for k, (i, s) in enumerate(zip(idx, seqs)):
-        ids[k, :len(s)] = torch.tensor(s)
-        response[k, len(rows[i][0]):len(s)] = True
-    logp, stats = policy(ids.to(device), response.to(device), temperature)
-    v = valid[idx]
-    padded = torch.zeros(*v.shape, 3, device=device)
-    padded[v] = stats
-    return torch.zeros(v.shape, device=device).masked_scatter(v, logp), padded
-
-
-@torch.no_grad()
-def measure(policy, rows, idx, valid, args):
-    """response_logprobs of mini-batch idx without a graph, in the micro-batches update() runs it
-    in: the same shapes, so the same numbers for the same weights."""
-    logp = torch.zeros(len(idx), valid.shape[1], device=valid.device)
-    stats = torch.zeros(len(idx), valid.shape[1], 3, device=valid.device)
-    at = {i: k for k, i in enumerate(idx)}
-    for mb in micro_batches(rows, idx, args.micro_tokens):
-        out = response_logprobs(policy, rows, mb or idx[:1], valid, args.temperature)
-        if mb:
-            logp[[at[i] for i in mb]], stats[[at[i] for i in mb]] = out
-    return logp, stats
-
-
 # ---- one step ------------------------------------------------------------------------------------
 
 @dataclass
@@ -381,7 +296,7 @@ class Batch:
     adv: torch.Tensor           # [N] the group advantage of each sample
     sampler: torch.Tensor       # [N, R] the sampler's log p of each token (vLLM), or None
     old_logp: torch.Tensor      # [N, R] log p under the policy that sampled (step 4 fills it)
-    old_stats: torch.Tensor     # [N, R, 3] the head's statistics there: H, sum pi^2, sum pi^2 log pi
+    old_stats: torch.Tensor     # [N, R, 2] the head's statistics there: H, sum pi^2
 
 
 def make_batch(prompts, groups, adv, device):
@@ -391,7 +306,7 @@ def make_batch(prompts, groups, adv, device):
     lengths = torch.tensor([len(s.tokens) for s in samples])
     valid = (torch.arange(max(1, int(lengths.max()))) < lengths[:, None]).to(device)
     old = torch.zeros(valid.shape, device=device)
-    stats = torch.zeros(*valid.shape, 3, device=device)
+    stats = torch.zeros(*valid.shape, 2, device=device)
     return Batch(rows, valid, adv.to(device), sampler_logprobs(samples, valid), old, stats)
 
 
@@ -465,26 +380,31 @@ def train_minibatch(policy, opt, batch, idx, first, args, record):
     record.peak("forward")
     s2t = spurious_tokens(logp, stats[..., 0], batch.adv[idx], batch.valid[idx], args)
     keep, denom = token_weights(args.method, stats[..., 0], batch.valid[idx], s2t)
+    unsilenced = batch.valid[idx].float() if args.method == "stapo" else keep  # S2T's set kept: the analysis
     if args.rollout_is != "none":  # the mismatch's weights multiply the kept tokens' losses
         w, rho = rollout_is_weights(batch.old_logp[idx], batch.sampler[idx], batch.valid[idx],
                                     args.rollout_is, args.rollout_is_cap, args.rollout_is_mode)
-        keep = keep * w
+        keep, unsilenced = keep * w, unsilenced * w
         record.importance(rho if args.rollout_is == "sequence" else rho[batch.valid[idx]])
-    analyse(logp, stats, batch, idx, s2t, args, record)
-    grad_norm = update(policy, opt, batch, MiniBatch(idx, keep, denom), args, record)
+    mb = MiniBatch(idx, keep, denom)
+    analyse(logp, stats, batch, mb, unsilenced, s2t, args, record)
+    grad_norm = update(policy, opt, batch, mb, args, record)
     record.minibatch(args.method, s2t, grad_norm, batch.rows, idx)
 
 
-def analyse(logp, stats, batch, idx, s2t, args, record):
-    """The paper's token-level view of a mini-batch: each token's logit-gradient norm and entropy
-    change, for StepMetrics.analysis to sum by group."""
-    ent, collision, pi2_log_pi = stats.unbind(-1)
-    weight = (logp - batch.old_logp[idx]).exp() * batch.adv[idx, None]  # ratio * A
-    norm = logit_gradient_norm(logp, collision, weight, args.temperature)
-    change = entropy_change(logp, ent, collision, pi2_log_pi, weight)
-    cut = float(quantile(gather_cat(ent[batch.valid[idx]]), 0.5))
-    adv = batch.adv[idx, None].expand_as(logp)
-    record.analysis((logp.exp() < args.tau_p, adv, ent, batch.valid[idx], norm, change), s2t, cut)
+def analyse(logp, stats, batch, mb, unsilenced, s2t, args, record):
+    """The paper's token-level view of a mini-batch, for metrics.TokenAnalysis to sum: the norm of the
+    gradient the loss applies to each token's logits, and of the one it would apply with S2T's set kept
+    (`unsilenced`: keep with those tokens back); each token's policy-gradient norm and entropy change
+    (the paper's identity and lemma, with w = ratio * A, before the clips and S2T)."""
+    ent, collision = stats.unbind(-1)
+    old, adv = batch.old_logp[mb.idx], batch.adv[mb.idx, None].expand_as(logp)
+    norm = lambda w: logit_gradient_norm(logp, collision, w, args.temperature)  # noqa: E731
+    applied, if_kept = (loss_token_weight(logp, old, adv, k, mb.denom, *clip_settings(args))
+                        for k in (mb.keep, unsilenced))
+    weight = (logp - old).exp() * adv  # ratio * A
+    tokens = (norm(applied), norm(if_kept), norm(weight), entropy_change(logp, ent, weight))
+    record.analysis.add(s2t, logp.exp() < args.tau_p, adv, batch.valid[mb.idx], tokens)
 
 
 def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
@@ -497,9 +417,9 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
                              args.max_response_len, seeds)
     engine.sleep()
 
-    # 2. Reward: +1 if the last \boxed{} is equivalent to the gold, else -1
+    # 2. Reward: +1 if the last \boxed{} is right (--reward: equivalent to the gold, or DAPO's), else -1
     texts = tok.batch_decode([s.tokens for group in groups for s in group], skip_special_tokens=True)
-    rewards = torch.tensor(score_all(texts, [a for _, _, a in prompts for _ in range(G)]))
+    rewards = torch.tensor(score_all(texts, [a for _, _, a in prompts for _ in range(G)], args.reward))
 
     # 3. Advantages: normalised within each group of G
     batch = make_batch(prompts, groups, group_advantages(rewards, G), device)

@@ -10,7 +10,6 @@ imports (install it in a separate environment: it is never a dependency of this 
 agreement with the labels per rule, answers per second for both, and the pairs where the two disagree.
 """
 import argparse, collections, json, os, re, sys, time
-from fractions import Fraction
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from reward import _split_top, is_equivalent, normalize, number  # noqa: E402

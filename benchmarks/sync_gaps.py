@@ -43,8 +43,6 @@ def moved(policy, seed):
 
 def gaps(engine, policy, probe, device, push):
     import rollout
-    import problems
-    import parallel
     import stapo
     push(rollout.full_params(policy.lm, engine.dtype))
     rows, valid = [(probe[:1], probe[1:])], torch.ones(1, len(probe) - 1, dtype=torch.bool)
@@ -54,6 +52,8 @@ def gaps(engine, policy, probe, device, push):
 
 
 def main(dtype_name, tied, out):
+    import parallel
+    import problems
     import stapo
     from problems import encode_prompt
     from rollout import VLLMEngine

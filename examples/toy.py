@@ -123,7 +123,7 @@ def train_one(a, method, base, out):
         "--steps", str(a.steps), "--prompts-per-step", str(a.prompts), "--group-size", "8",
         "--minibatches", str(a.minibatches), "--micro-tokens", "4096", "--max-prompt-len", "64",
         "--max-response-len", str(a.max_tokens), "--lr", str(a.lr), "--warmup-steps", "0", "--weight-decay", "0",
-        "--save-every", "0", "--tau-p", "0.05", "--log-silenced", "--seed", str(a.seed)]))
+        "--save-every", "0", "--tau-p", "0.05", "--log-silenced", "--seed", str(a.seed), "--reward", a.reward]))
     seconds = time.time() - t0
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return seconds, [json.loads(line) for line in f]
@@ -140,6 +140,7 @@ def main(argv=None):
     p.add_argument("--sft-steps", type=int, default=200, help="the warm start's supervised steps")
     p.add_argument("--hard", action="store_true", help="longer answers: the sum restated before the box")
     p.add_argument("--seed", type=int, default=0, help="the RL run's sampling seed (the warm start stays the same)")
+    p.add_argument("--reward", default="equiv", choices=["equiv", "dapo"], help="stapo.py's --reward")
     a = p.parse_args(argv)
     a.max_tokens = 24 if a.hard else 8
     runs = METHODS if a.method == "all" else ["rl"]

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from head import ChunkedHead, token_logprobs_and_entropy
-from stapo import (entropy_change, group_advantages, logit_gradient_norm, quantile, rollout_is_weights,
-                   s2t_candidates, s2t_mask, s2t_threshold, stapo_loss)
+from metrics import GROUPS, SPURIOUS, token_groups
+from stapo import (entropy_change, group_advantages, logit_gradient_norm, loss_token_weight, quantile,
+                   rollout_is_weights, s2t_candidates, s2t_mask, s2t_threshold, stapo_loss)
 
 
 # ---------------------------------------------------------------- group_advantages
@@ -397,16 +398,17 @@ def _head_case(seed=0, m=9, d=6, v=11, temperature=0.7):
 
 
 def _direct_stats(a, y, t):
-    """log pi_y, H, sum pi^2, sum pi^2 log pi from logits a, in their own precision."""
+    """log pi_y, H, sum pi^2 from logits a, in their own precision."""
     lp = torch.log_softmax(a / t, -1)
     pi = lp.exp()
-    return lp.gather(-1, y[:, None])[:, 0], -(pi * lp).sum(-1), (pi ** 2).sum(-1), (pi ** 2 * lp).sum(-1)
+    return lp.gather(-1, y[:, None])[:, 0], -(pi * lp).sum(-1), (pi ** 2).sum(-1)
 
 
-def test_the_heads_statistics_are_h_collision_and_pi2_log_pi():
+def test_the_heads_statistics_are_h_and_collision():
     h, w, y, t = _head_case()
     logp, stats = ChunkedHead.apply(h.float(), w.float(), y, t, 4)  # chunks of 4 tokens, in fp32
     want = _direct_stats(h @ w.T, y, t)
+    assert stats.shape == (len(y), 2)
     for got, exact in zip([logp, *stats.unbind(-1)], want):
         assert torch.allclose(got.double(), exact, atol=1e-5), (got, exact)
     assert (stats[:, 1] >= torch.exp(-stats[:, 0]) - 1e-6).all()  # sum pi^2 >= e^-H
@@ -419,22 +421,105 @@ def test_the_gradient_norm_identity_against_autograd():
     weight = torch.randn(len(y), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     lp = torch.log_softmax(a / t, -1).gather(-1, y[:, None])[:, 0]
     (grad,) = torch.autograd.grad((weight * lp).sum(), a)  # row i depends on token i only
-    logp, _, collision, _ = _direct_stats(a.detach(), y, t)
+    logp, _, collision = _direct_stats(a.detach(), y, t)
     assert torch.allclose(logit_gradient_norm(logp, collision, weight, t), grad.norm(dim=-1), rtol=1e-10)
 
 
-def test_the_entropy_change_is_the_first_order_change_of_h():
-    """A small step of the logits along +grad of w log pi_y changes H by lr / T^2 * entropy_change."""
+def test_the_entropy_change_is_the_papers_lemma_a_natural_gradient_step():
+    """The natural-gradient step logit_y += eta * w changes H by eta * entropy_change (the lemma's
+    -eta w pi_y (log pi_y + H)), to first order, in both directions. Breaks with the plain-gradient form
+    (the extra sum pi^2 (log pi + H) term), or a sign flipped."""
     h, w, y, t = _head_case(2)
-    a = h @ w.T
+    z = h @ w.T / t  # the softmax's own logits: pi = softmax(z)
     weight = torch.tensor([1.0, -1.0, 2.0, -0.5, 1.0, 1.0, -1.0, 0.3, -2.0], dtype=torch.float64)
-    a_ = a.clone().requires_grad_()
-    (grad,) = torch.autograd.grad((weight * torch.log_softmax(a_ / t, -1).gather(-1, y[:, None])[:, 0]).sum(), a_)
-    lr = 1e-6
-    predicted = lr / t ** 2 * entropy_change(*_direct_stats(a, y, t), weight)
-    actual = _direct_stats(a + lr * grad, y, t)[1] - _direct_stats(a, y, t)[1]
-    assert torch.allclose(actual, predicted, rtol=1e-4, atol=1e-14), (actual, predicted)
+    eta = 1e-7
+    stepped = z.clone()
+    stepped[torch.arange(len(y)), y] += eta * weight
+    logp, ent, _ = _direct_stats(z, y, 1.0)
+    actual = _direct_stats(stepped, y, 1.0)[1] - ent
+    predicted = eta * entropy_change(logp, ent, weight)
+    assert torch.allclose(actual, predicted, rtol=1e-5, atol=1e-15), (actual, predicted)
     assert (predicted > 0).any() and (predicted < 0).any()  # both directions occur in this case
+
+
+def test_the_entropy_change_of_the_issues_example():
+    """pi = (0.508, 0.34, 0.025 x 6), y = 1, A = +1 (H = 1.264): the lemma gives -0.34 (log 0.34 + H) = -0.063,
+    the entropy falls; the plain-gradient form gives +0.101, it rises. Breaks with the plain-gradient form."""
+    pi = torch.tensor([0.508, 0.34] + [0.025] * 6, dtype=torch.float64)
+    ent = -(pi * pi.log()).sum()
+    change = entropy_change(pi[1].log(), ent, torch.tensor(1.0, dtype=torch.float64))
+    assert change.item() == pytest.approx(-0.34 * (math.log(0.34) + ent.item()))
+    assert change.item() == pytest.approx(-0.0630, abs=5e-4)
+    plain = -(pi[1] * (pi[1].log() + ent) - (pi ** 2 * (pi.log() + ent)).sum())
+    assert plain.item() == pytest.approx(0.101, abs=5e-4)
+
+
+def _clipped_batch():
+    """Logits over a vocabulary of 7 at 3 x 5 positions, and old log-probs set so that every branch of the loss
+    occurs: ratios of e^-1, 1, e^0.5, e^3 and e^25 (beyond the clamp) against A of +1.5, -0.7 and 0; keep
+    with float weights, a zero (padding) and the denominator of another rank's share."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(3, 5, 7, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    y = torch.randint(7, (3, 5), generator=g)
+    t = 0.8
+    logp = torch.log_softmax(logits / t, -1).gather(-1, y[..., None])[..., 0]
+    shift = torch.tensor([-1.0, 0.0, 0.5, 3.0, 25.0], dtype=torch.float64)
+    old = logp.detach() - shift
+    adv = torch.tensor([1.5, -0.7, 0.0], dtype=torch.float64)
+    keep = torch.tensor([[1.0, 0.5, 1.0, 2.0, 1.0], [1.0, 1.0, 0.0, 1.0, 1.0], [1.0] * 5], dtype=torch.float64)
+    return logits, y, t, logp, old, adv, keep
+
+
+def test_the_loss_token_weight_is_the_gradient_of_the_loss_with_the_clips_active():
+    """loss_token_weight equals autograd's d stapo_loss / d logp token by token, and its logit_gradient_norm the
+    norm of autograd's gradient on each position's logits: zero where clip-higher (A > 0, r = e^0.5 > 1.28), the
+    lower clip (A < 0, r = e^-1 < 0.8), the dual clip (A < 0, r = e^3 > 10) or the clamp (e^25) holds the term,
+    -A r keep / n elsewhere. Breaks with the unclipped weight r * A, a missing keep, or another denominator."""
+    logits, y, t, logp, old, adv, keep = _clipped_batch()
+    n = 17.5  # the kept count of the whole mini-batch on all ranks, not this batch's
+    loss, _ = stapo_loss(logp, old, adv, keep, n)
+    grad_logp, grad_logits = torch.autograd.grad(loss, [logp, logits])
+    weight = loss_token_weight(logp, old, adv, keep, n)
+    assert torch.allclose(weight.double(), grad_logp, rtol=1e-6, atol=1e-12), (weight, grad_logp)
+    zeroed = [(0, 2), (0, 3), (0, 4), (1, 0), (1, 2), (1, 3), (1, 4)]  # the clips, padding, the clamp
+    assert all(weight[c] == 0 for c in zeroed) and all(weight[2] == 0)  # row 2: A = 0
+    assert weight[0, 1].item() == pytest.approx(-1.5 * 1.0 * 0.5 / n) and weight[1, 1] != 0
+    pi = torch.softmax(logits.detach() / t, -1)
+    collision = (pi ** 2).sum(-1)
+    norm = logit_gradient_norm(logp.detach(), collision, weight.double(), t)
+    assert torch.allclose(norm, grad_logits.norm(dim=-1), rtol=1e-6, atol=1e-12)
+
+
+def test_the_loss_token_weight_without_the_dual_clip_and_with_the_default_count():
+    """clip_c=None: the A < 0 token at r = e^3 is live (-A r keep / n); num_tokens=None divides by keep's sum.
+    Breaks if the dual clip were applied regardless of clip_c."""
+    logits, y, t, logp, old, adv, keep = _clipped_batch()
+    loss, _ = stapo_loss(logp, old, adv, keep, clip_c=None)
+    (grad,) = torch.autograd.grad(loss, logp)
+    weight = loss_token_weight(logp, old, adv, keep, clip_c=None)
+    assert torch.allclose(weight.double(), grad, rtol=1e-6, atol=1e-12)
+    assert weight[1, 3] > 0
+
+
+def test_the_spurious_group_is_the_silenced_set():
+    """On random batches where S2T runs (candidates, and a tau_h pooled with another rank's entropies), the
+    taxonomy's SPURIOUS group (A > 0, p < tau_p, H < tau_h) is exactly s2t_mask's silenced set, and the eight
+    groups partition the valid tokens with A != 0. Breaks with the median H (or any cut but S2T's tau_h) as
+    the entropy split."""
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        logp = -torch.rand(6, 20, generator=g) * 6
+        ent = torch.rand(6, 20, generator=g) * 2
+        adv = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, -0.3])
+        valid = torch.arange(20) < torch.randint(5, 21, (6, 1), generator=g)
+        other_rank = torch.rand(7, generator=g) * 2
+        candidates = s2t_candidates(logp, adv, valid, tau_p=0.05)
+        tau_h = s2t_threshold(torch.cat([ent[candidates], other_rank]), 0.75)
+        silenced = s2t_mask(logp, ent, adv, valid, tau_p=0.05, tau_h=tau_h)
+        groups = token_groups(logp.exp() < 0.05, adv[:, None].expand_as(logp), ent, valid, tau_h)
+        assert silenced.any() and torch.equal(groups[SPURIOUS], silenced)
+        count = sum(m.int() for m in groups.values())
+        assert torch.equal(count, (valid & (adv[:, None] != 0)).int()) and list(groups) == GROUPS
 
 
 def test_rollout_is_weights_by_hand():

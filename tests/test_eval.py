@@ -8,7 +8,6 @@ import pytest
 
 import eval as ev
 import problems
-import metrics
 import stapo
 from problems import seed_of
 
@@ -252,6 +251,29 @@ def test_eval_during_training_gets_the_context_it_asks_for(tiny, tmp_path, monke
         stapo.train(stapo.get_args(argv + ["--eval-max-tokens", "300"]))
     with pytest.raises(ValueError, match=r"--max-prompt-len \+ --max-response-len is 1030 tokens"):
         stapo.train(stapo.get_args(argv[:-6] + ["--max-prompt-len", "1024"]))
+
+
+def test_eval_during_training_decodes_with_its_preset_and_grades_with_the_checker(tiny, tmp_path):
+    """--eval-preset justrl decodes at eval.PRESETS["justrl"] (0.7, 0.9), not the training's 1.0 / 1.0; and with
+    --reward dapo the evaluation still grades with the equivalence checker: `\\boxed{03}` for the gold 3 counts.
+    Breaks if the evaluation took the training's temperature, or the training's reward."""
+    import parallel
+    from rollout import Sample
+    d, tok = tiny
+    data = six_benchmarks(tmp_path / "data")
+    args = stapo.get_args(["--model", str(d / "model"), "--eval-preset", "justrl", "--reward", "dapo",
+                           "--eval-benchmarks", "math500", "--eval-samples", "2", "--eval-data-dir", str(data)])
+    gold = {tuple(problems.encode_prompt(tok, f"What is {i} + 1?")): str(i + 1) for i in range(3)}
+    seen = []
+
+    class PaddedAnswers:
+        def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
+            seen.append((temperature, top_p))
+            box = lambda p: tok(f"\\boxed{{0{gold[tuple(p)]}}}", add_special_tokens=False)["input_ids"]  # noqa
+            return [[Sample(box(p), "stop")] * n for p in prompts]
+    parallel.init_distributed()
+    assert ev.evaluate_during_training(PaddedAnswers(), tok, args, 0, 1)["eval/math500"] == 100.0
+    assert seen == [ev.PRESETS["justrl"]] and stapo.get_args([]).eval_preset == "train"
 
 
 class SeedEngine:

@@ -275,23 +275,36 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint(tiny, tmp_path, monkeypa
     assert [x["step"] for x in metrics_of(tmp_path / "cut")] == [1, 2, 3, 4]
 
 
-def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path):
+def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path, monkeypatch):
+    """The run's files and keys; on every mini-batch of the run the taxonomy's spurious group is the set S2T
+    silenced (breaks with another entropy cut than S2T's tau_h); the silenced tokens' applied share of the
+    gradient is 0 and their share if kept is logged beside it (breaks with the unclipped, unsilenced weight)."""
     d, _ = tiny
+    real_add, split = metrics.TokenAnalysis.add, []
+
+    def checked(self, s2t, low_p, adv, valid, tokens):
+        if s2t["tau_h"] is not None:
+            groups = metrics.token_groups(low_p, adv, s2t["entropy"], valid, s2t["tau_h"])
+            split.append(torch.equal(groups[metrics.SPURIOUS], s2t["silenced"]))
+        return real_add(self, s2t, low_p, adv, valid, tokens)
+    monkeypatch.setattr(metrics.TokenAnalysis, "add", checked)
     stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "2", "--log-silenced", "--tau-p", "0.9")))
+    assert split and all(split)
     cfg = json.load(open(tmp_path / "config.json"))
     assert cfg["method"] == "stapo" and cfg["tau_p"] == 0.9 and cfg["world_size"] == 1
     m = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     need = {"reward_mean", "accuracy", "zero_variance_groups", "response_len_mean", "response_len_max", "truncated",
             "entropy_mean", "silenced_frac", "candidates", "tau_h", "clip_low", "clip_high", "grad_norm", "lr",
             "rollout_s", "train_s", "step_s", "tokens_per_s", "sync_probe_gap", "sync_probe_gap_mean",
-            "entropy_cut", *[f"grad_share/{k}" for k in metrics.SHARES],
+            "taxonomy/split", "grad_share/silenced_if_kept", *[f"grad_share/{k}" for k in metrics.SHARES],
             *[f"taxonomy/{g}/{k}" for g in metrics.GROUPS for k in ("tokens", "grad_norm", "dH")]}
     assert need <= m[0].keys() and not any(k.startswith("rollout_is") for k in m[0])  # off by default
     assert m[0]["silenced_frac"] > 0 and m[0]["candidates"] > 0  # tau_p = 0.9 makes most tokens candidates
-    for x in m:  # the token analysis: shares of the gradient, and of the tokens, each summing to one
+    for x in m:  # the token analysis: shares of the gradient, and of the split tokens, each summing to one
         assert sum(x[f"grad_share/{k}"] for k in metrics.SHARES) == pytest.approx(1)
-        assert sum(x[f"taxonomy/{g}/tokens"] for g in metrics.GROUPS) == pytest.approx(1)
-        assert (x["grad_share/silenced"] > 0) == (x["silenced_frac"] > 0)
+        assert x["taxonomy/split"] > 0 and sum(x[f"taxonomy/{g}/tokens"] for g in metrics.GROUPS) == pytest.approx(1)
+        assert x["grad_share/silenced"] == 0 and (x["grad_share/silenced_if_kept"] > 0) == (x["silenced_frac"] > 0)
+        assert (x[f"taxonomy/{metrics.SPURIOUS}/tokens"] > 0) == (x["silenced_frac"] > 0)
     sil = [json.loads(x) for x in open(tmp_path / "silenced.jsonl")]
     assert {"step", "token", "p", "H", "left", "right"} == sil[0].keys()
     for step in (1, 2):  # one line per silenced token: silenced_frac * the step's 16 samples' valid tokens
@@ -624,32 +637,52 @@ def test_an_unchanged_policy_has_a_ratio_of_exactly_one_in_every_mini_batch(tiny
 
 
 def test_the_eight_groups_and_the_gradient_shares_by_hand(tiny):
-    """Two rows of three tokens, A = +1 and -1 at ratio 1 (w = A), tau_p 0.5, and the median H of the six
-    tokens as the entropy cut (0.35): each token lands in its group, with the identity's gradient norm."""
+    """Two rows of three tokens, A = +1 and -1, tau_p 0.5; S2T's candidates (0,0) H .2 and (0,2) H .9 give
+    tau_h = .725, which splits H: each token lands in its group, (0,0) alone in the spurious group, the set
+    S2T silences. Ratios of 1.5 at (0,1) (A > 0: clip-higher) and 0.5 at (1,0) (A < 0: the lower clip) zero
+    those tokens' applied gradient; the silenced token's is zero too, and its share if kept is logged beside.
+    Breaks with the median H as the entropy cut ((1,0), H .5, would be high-H), the unclipped weight in the
+    shares, or the plain-gradient entropy change."""
     parallel.init_distributed()
     args = stapo.get_args(["--tau-p", "0.5"])
     p = torch.tensor([[0.1, 0.9, 0.2], [0.8, 0.3, 0.6]])
     ent = torch.tensor([[0.2, 0.1, 0.9], [0.5, 0.3, 0.4]])
     collision = torch.tensor([[0.8, 0.82, 0.3], [0.66, 0.4, 0.45]])  # each >= p^2
-    stats = torch.stack([ent, collision, torch.zeros(2, 3)], -1)
+    ratio = torch.tensor([[1.0, 1.5, 1.0], [0.5, 1.0, 1.0]])
     adv, valid = torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool)
-    s2t = stapo.spurious_tokens(p.log(), ent, adv, valid, args)  # candidates (0,0) H .2, (0,2) H .9 -> tau_h .725
-    assert s2t["silenced"].nonzero().tolist() == [[0, 0]]
+    batch = types.SimpleNamespace(old_logp=p.log() - ratio.log(), adv=adv, valid=valid)
+    s2t = stapo.spurious_tokens(p.log(), ent, adv, valid, args)
+    assert s2t["silenced"].nonzero().tolist() == [[0, 0]] and s2t["tau_h"] == pytest.approx(0.725)
+    keep = (valid & ~s2t["silenced"]).float()
     m = metrics.StepMetrics(0)
-    weight = adv[:, None].expand(2, 3)
-    norm = stapo.logit_gradient_norm(p.log(), collision, weight)
-    change = stapo.entropy_change(p.log(), ent, collision, stats[..., 2], weight)
-    m.analysis((p < 0.5, weight, ent, valid, norm, change), s2t, 0.35)
-    norm = (1 - 2 * p + collision).sqrt()  # |w| = 1, T = 1
-    groups = {"lowP_posA_lowH": [(0, 0)], "lowP_posA_highH": [(0, 2)], "highP_posA_lowH": [(0, 1)],
-              "lowP_negA_lowH": [(1, 1)], "highP_negA_highH": [(1, 0), (1, 2)]}
+    stapo.analyse(p.log(), torch.stack([ent, collision], -1), batch, stapo.MiniBatch([0, 1], keep, 5.0),
+                  valid.float(), s2t, args, m)
+    w = ratio * adv[:, None]  # the policy-gradient term's weight, ratio * A
+    norm = w.abs() * (1 - 2 * p + collision).sqrt()  # T = 1
+    change = -w * p * (p.log() + ent)
+    groups = {"posA_lowP_lowH": [(0, 0)], "posA_highP_lowH": [(0, 1)], "posA_lowP_highH": [(0, 2)],
+              "negA_highP_lowH": [(1, 0), (1, 2)], "negA_lowP_lowH": [(1, 1)]}
+    sums = m.analysis.sums
     for g in metrics.GROUPS:
         cells = groups.get(g, [])
-        assert m.sums[f"{g}/n"] == len(cells), g
-        assert m.sums[f"{g}/norm"] == pytest.approx(sum(norm[c].item() for c in cells)), g
-    assert m.sums["g2/silenced"] == pytest.approx(norm[0, 0].item() ** 2)
-    assert m.sums["g2/candidates_kept"] == pytest.approx(norm[0, 2].item() ** 2)
-    assert m.sums["g2/rest"] == pytest.approx((norm ** 2).sum().item() - norm[0, 0].item() ** 2 - norm[0, 2].item() ** 2)
+        assert sums[f"{g}/n"] == len(cells), g
+        assert sums[f"{g}/norm"] == pytest.approx(sum(norm[c].item() for c in cells)), g
+        assert sums[f"{g}/dH"] == pytest.approx(sum(change[c].item() for c in cells)), g
+    applied = (1 - 2 * p + collision).sqrt() / 5  # |A| r keep / n, where the term is live
+    assert sums["g2/silenced"] == 0 and sums["g2/silenced_if_kept"] == pytest.approx(applied[0, 0].item() ** 2)
+    assert sums["g2/candidates_kept"] == pytest.approx(applied[0, 2].item() ** 2)
+    assert sums["g2/rest"] == pytest.approx(applied[1, 1].item() ** 2 + applied[1, 2].item() ** 2)
+    row = metrics.TokenAnalysis.shares_row(sums)
+    assert row["grad_share/silenced"] == 0 and row["grad_share/rest"] + row["grad_share/candidates_kept"] == 1
+    if_kept = sums["g2/silenced_if_kept"] / (sums["g2/silenced_if_kept"] + sums["g2/candidates_kept"] + sums["g2/rest"])
+    assert row["grad_share/silenced_if_kept"] == pytest.approx(if_kept)
+    assert sums["split"] == sums["nonzero"] == 6
+    none = stapo.spurious_tokens(p.log(), ent, -adv.abs(), valid, args)  # A < 0 everywhere: no candidate, no tau_h
+    stapo.analyse(p.log(), torch.stack([ent, collision], -1), types.SimpleNamespace(**{**vars(batch), "adv": -adv.abs()}),
+                  stapo.MiniBatch([0, 1], valid.float(), 6.0), valid.float(), none, args, m)
+    assert none["tau_h"] is None and sums["split"] == 6 and sums["nonzero"] == 12
+    assert sum(sums[f"{g}/n"] for g in metrics.GROUPS) == 6  # the mini-batch with no tau_h is in no group
+    assert metrics.TokenAnalysis.taxonomy_row(sums)["taxonomy/split"] == 0.5
 
 
 def test_rollout_is_weights_the_loss_and_is_exact_when_the_sampler_agrees(tiny, tmp_path):
@@ -734,3 +767,27 @@ def test_memory_peak_on_cuda_leaves_out_what_torch_allocated_in_vllms_pool(monke
     assert metrics.memory_peak() == 8.0
     monkeypatch.delitem(sys.modules, "vllm.device_allocator.cumem")  # no engine with sleep mode: all counts
     assert metrics.memory_peak() == 50.0
+
+
+def test_reward_dapo_trains_on_the_papers_reward(tiny, tmp_path):
+    """--reward dapo scores the step's samples with DAPO's strict box (reward.dapo_score): a zero-padded
+    `\\boxed{017}` for the gold 17 is right under the default equivalence checker and wrong under DAPO's string
+    match. Per prompt: the exact box, the padded box, two wrong ones; accuracy 1/2 (equiv) against 1/4 (dapo).
+    Breaks if the flag does not reach score_all (both give 1/2)."""
+    d, tok = tiny
+    rank, world, device, mesh = parallel.init_distributed()
+    data = problems.load_problems(str(d / "train.jsonl"))[:4]
+    prompts = [(i, problems.encode_prompt(tok, p), a) for i, (p, a) in enumerate(data)]
+    assert all(a.isdigit() and a != "99" for _, _, a in prompts)
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
+    texts = ["\\boxed{%s}", "\\boxed{0%s}", "\\boxed{99}", "\\boxed{99}"]
+    groups = [[Sample(ids(t % a if "%" in t else t), "stop") for t in texts] for _, _, a in prompts]
+    accuracy = {}
+    for reward in ("equiv", "dapo"):
+        args = stapo.get_args(args_for(d, tmp_path, "--lr", "0", "--reward", reward))
+        policy = stapo.build_policy(args.model, mesh, device)
+        opt = torch.optim.AdamW(policy.parameters(), lr=0.0)
+        row, _ = stapo.train_step(0, policy, opt, FixedEngine(groups, args.model, tok), tok, prompts, args,
+                                  device, PROBE)
+        accuracy[reward] = row["accuracy"]
+    assert accuracy == {"equiv": 0.5, "dapo": 0.25}

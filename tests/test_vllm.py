@@ -19,7 +19,6 @@ import torch
 import rollout
 import problems
 import parallel
-import metrics
 import stapo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
