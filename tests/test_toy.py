@@ -77,7 +77,7 @@ def test_seed_reaches_the_trainer_and_nothing_else_changes(tmp_path, monkeypatch
     monkeypatch.setattr(toy.stapo, "train", fake_train)
     for seed in (0, 3):
         a = toy.argparse.Namespace(out=str(tmp_path), steps=1, prompts=8, minibatches=1, lr=1e-3, max_tokens=8,
-                                   seed=seed)
+                                   seed=seed, reward="equiv")
         toy.train_one(a, "stapo", "base", str(tmp_path / str(seed)))
     assert (seen[0]["seed"], seen[1]["seed"]) == (0, 3)
     assert {k: v for k, v in seen[0].items() if k not in ("seed", "out")} == \
