@@ -144,7 +144,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     a.max_tokens = 24 if a.hard else 8
     runs = METHODS if a.method == "all" else ["rl"]
-    held = [f"{run}/ holds {used_out(os.path.join(a.out, run))}" for run in runs if used_out(os.path.join(a.out, run))]
+    held = {run: used_out(os.path.join(a.out, run)) for run in runs}
+    held = [f"{run}/ holds {what}" for run, what in held.items() if what]
     if held:  # refused before the warm start, not by the trainer after it
         p.error(f"--out {a.out} holds an earlier toy run ({'; '.join(held)}): write this one to another --out "
                 f"(bash toy.sh --out runs/toy2), or delete {a.out}")
