@@ -31,11 +31,11 @@ def save_hf(policy, tok, path, rank):
         tok.save_pretrained(path)
 
 
-def save_checkpoint(step, policy, opt, tok, args, rank):
+def save_checkpoint(out, step, policy, opt, tok, rank, keep=2, data_position=None):
     """out/ckpt/step_N: hf/ (the model), dcp/ (sharded model + optimizer), state.json. Written
     under a temporary name and renamed when complete, so a crash never leaves half a checkpoint;
-    only the newest --keep-ckpts are kept. No RNG state: a sample's seed is (seed, step, prompt)."""
-    final = os.path.join(args.out, "ckpt", f"step_{step}")
+    only the newest `keep` are kept (0: all). No RNG state: a sample's seed is (seed, step, prompt)."""
+    final = os.path.join(out, "ckpt", f"step_{step}")
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -47,11 +47,11 @@ def save_checkpoint(step, policy, opt, tok, args, rank):
     dist.barrier()
     if rank == 0:
         with open(os.path.join(tmp, "state.json"), "w") as f:
-            json.dump({"step": step, "data_position": step * args.prompts_per_step}, f)
+            json.dump({"step": step, "data_position": data_position}, f)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
-        for old in checkpoints(args.out)[:-args.keep_ckpts] if args.keep_ckpts > 0 else []:
-            shutil.rmtree(os.path.join(args.out, "ckpt", f"step_{old}"))
+        for old in checkpoints(out)[:-keep] if keep > 0 else []:
+            shutil.rmtree(os.path.join(out, "ckpt", f"step_{old}"))
     dist.barrier()
 
 
@@ -62,15 +62,15 @@ def checkpoints(out):
     return sorted(int(d[5:]) for d in names if d.startswith("step_") and d[5:].isdigit())
 
 
-def load_checkpoint(policy, opt, args):
-    """Restore the latest complete checkpoint, as rank 0 sees it; returns how many steps it had
+def load_checkpoint(policy, opt, out):
+    """Restore the latest complete checkpoint in `out`, as rank 0 sees it; returns how many steps it had
     done (0 if none)."""
-    done = gather(checkpoints(args.out))[0]  # rank 0 chooses; every rank loads that one
+    done = gather(checkpoints(out))[0]  # rank 0 chooses; every rank loads that one
     if not done:
         return 0
     model_sd, optim_sd = get_state_dict(policy, opt)
-    path = os.path.join(args.out, "ckpt", f"step_{done[-1]}", "dcp")
-    require_shared(os.path.isdir(path), args.out, f"cannot see {path}")
+    path = os.path.join(out, "ckpt", f"step_{done[-1]}", "dcp")
+    require_shared(os.path.isdir(path), out, f"cannot see {path}")
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(policy, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
     return done[-1]
@@ -97,6 +97,11 @@ class StopAtStepEnd:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+    def __init__(self, out, save_every=0, keep=2, prompts_per_step=None):
+        """Checkpoints go to out/ckpt every `save_every` steps (0: only at a stop), the newest `keep` kept;
+        prompts_per_step gives each checkpoint's position in the data."""
+        self.out, self.save_every, self.keep, self.per_step = out, save_every, keep, prompts_per_step
+
     def __enter__(self):
         self.got, self.at, self.before = None, 0.0, {}
         if threading.current_thread() is threading.main_thread():  # only there can Python take a signal
@@ -116,13 +121,14 @@ class StopAtStepEnd:
             print(f"stapo: {self.got}: stopping at the end of this step, with a checkpoint; a second signal "
                   "stops at once", file=sys.stderr, flush=True)
 
-    def end_of_step(self, done, policy, opt, tok, args, rank):
-        """After step `done`: its checkpoint, every --save-every steps or when any rank got a signal; then,
+    def end_of_step(self, done, policy, opt, tok, rank):
+        """After step `done`: its checkpoint, every save_every steps or when any rank got a signal; then,
         in the second case, the exit (non-zero, with the way to resume)."""
         stop = all_reduce_numbers(self.got is not None, op=dist.ReduceOp.MAX)[0] > 0
-        if stop or args.save_every and done % args.save_every == 0:
-            save_checkpoint(done, policy, opt, tok, args, rank)
+        if stop or self.save_every and done % self.save_every == 0:
+            position = done * self.per_step if self.per_step else None
+            save_checkpoint(self.out, done, policy, opt, tok, rank, self.keep, position)
         if stop:
-            path = os.path.join(args.out, "ckpt", f"step_{done}")
+            path = os.path.join(self.out, "ckpt", f"step_{done}")
             raise SystemExit(1 if rank else f"stapo: stopped by a signal after step {done}, checkpointed in "
                              f"{path}. To continue: the same command with --resume")

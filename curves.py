@@ -16,6 +16,8 @@ matplotlib is imported only here, only when drawing.
 """
 import argparse, collections, json, os, sys
 
+from analysis import GROUPS, SPURIOUS  # the taxonomy's eight groups; SPURIOUS is the set S2T silences
+
 # (panel title, [(metrics.jsonl key, line label)], y-axis label)
 PANELS = [
     ("Accuracy and reward", [("accuracy", "accuracy"), ("reward_mean", "reward")], ""),
@@ -119,9 +121,6 @@ def draw_silenced(runs, out, top=20):
     print(f"wrote {out}")
 
 
-# metrics.GROUPS and metrics.SPURIOUS (the set S2T silences), without importing torch
-GROUPS = [f"{a}A_{p}P_{h}H" for a in ("pos", "neg") for p in ("low", "high") for h in ("low", "high")]
-SPURIOUS = "posA_lowP_lowH"
 MEASURES = [("tokens", "share of the tokens"), ("grad_norm", "mean ||grad|| of r A log p on the logits"),
             ("dH", "mean entropy change (the paper's lemma)")]
 

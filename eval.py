@@ -1,4 +1,4 @@
-"""eval.py: the paper's six math benchmarks, avg@k with its protocol, for any checkpoint.
+"""eval.py: the command line of evaluation.py, the paper's six math benchmarks, for any checkpoint.
 
     python eval.py --model PATH_OR_HUB_ID [--preset train|justrl] [--benchmarks all] [--limit N]
     torchrun --nproc_per_node 8 eval.py --model ...       # the problems are sharded over ranks
@@ -6,112 +6,29 @@
     python eval.py --model ... --judge opencompass/CompassVerifier-3B   # the rules, then a judge model
     python eval.py --judge-only --out runs/eval --judge ...   # what a failed judge left unjudged
 
-k samples per problem (32 for AIME24/25 and AMC23, 4 for the others), each problem seeded; avg@k is the
-mean accuracy over the k samples, pass@k the fraction of problems with a correct sample. "Correct" is
-reward.score > 0 on the last \\boxed{}: gold conventions (AIME's zero padding, Minerva's e-notation,
-OlympiadBench's unordered multi-answers) live in reward.py, not here.
+Sampling and grading are evaluation.py's (avg@k, pass@k, the last \\boxed{}); this file holds the flags,
+the results' files, and the judge: a second opinion on rejected samples, in a process of its own per rank.
 """
 import argparse
 import contextlib
-import functools
 import glob
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 
-import datasets
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
+from evaluation import BENCHMARKS, PRESETS, EvalOptions, evaluate, summarize
 from parallel import check_shared_out, gather, init_distributed, refuse_used_out
-from problems import encode_prompt, problem_answer, read_jsonl, seed_of
-from reward import check_all, extract_answer, extract_boxed, judge_prompt, judge_verdict
+from problems import encode_prompt, read_jsonl
+from reward import judge_prompt, judge_verdict
 from rollout import compute_dtype, make_engine
 
-# name: (Hub id, split, problem column, answer column, samples per problem)
-BENCHMARKS = {
-    "aime24": ("math-ai/aime24", "test", "problem", "solution", 32),  # no answer column: the boxed solution
-    "aime25": ("math-ai/aime25", "test", "problem", "answer", 32),
-    "amc23": ("math-ai/amc23", "test", "question", "answer", 32),
-    "math500": ("HuggingFaceH4/MATH-500", "test", "problem", "answer", 4),
-    "minerva": ("math-ai/minervamath", "test", "question", "answer", 4),
-    "olympiadbench": ("math-ai/olympiadbench", "test", "question", "final_answer", 4),
-}
-PRESETS = {"train": (1.0, 1.0), "justrl": (0.7, 0.9)}  # (temperature, top-p): the paper's two settings
 JUDGE_CHUNK = 256  # rejected samples per call to the judge's engine; each call's verdicts reach disk at once
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def benchmark_row(name, row, i, where):
-    """One row mapped to {id, problem, answer}, from any of three layouts: ours (problem, answer),
-    the Hub's (BENCHMARKS' columns), or verl's (prompt[0].content, reward_model.ground_truth: JustRL's
-    parquet files)."""
-    _, _, pcol, acol, _ = BENCHMARKS[name]
-    rid = row.get("id", row.get("unique_id", (row.get("extra_info") or {}).get("index", i)))
-    if pcol in row and acol in row and "prompt" not in row:
-        problem, answer = row[pcol], row[acol]
-    else:  # ours or verl's; a row missing a field is an error naming the file and line
-        problem, answer = problem_answer(row, where)
-    if isinstance(answer, list):  # OlympiadBench: final_answer is a list of strings
-        answer = ", ".join(a.strip("$") for a in answer)
-    elif isinstance(answer, float):  # AMC23 stores 27.0
-        answer = str(int(answer)) if answer.is_integer() else str(answer)
-    answer = str(answer).strip()
-    answer = extract_boxed(answer) if "\\boxed" in answer else answer  # AIME24's Hub solution: \boxed{025}
-    return {"id": str(rid), "problem": problem, "answer": re.sub(r"^\$([^$]*)\$$", r"\1", answer)}
-
-
-@functools.lru_cache(maxsize=None)  # --eval-every reads each benchmark once per run, not once per evaluation
-def load_benchmark(name, data_dir=None, source=None):
-    """{id, problem, answer} rows of one benchmark: from `source` (a local .jsonl/.parquet in any layout
-    benchmark_row reads), else <data_dir>/<name>.jsonl, else the Hub."""
-    path = source or (os.path.join(data_dir, name + ".jsonl") if data_dir else None)
-    if path and path.endswith(".jsonl"):
-        rows = read_jsonl(path)
-    else:
-        hub, split = BENCHMARKS[name][:2]
-        if path:
-            ds = datasets.load_dataset("parquet", data_files=path, split="train")
-        else:
-            ds = datasets.load_dataset(hub, split=split)
-        rows = [(f"{path or hub}: row {i}", r) for i, r in enumerate(ds)]
-    return [benchmark_row(name, r, i, where) for i, (where, r) in enumerate(rows)]
-
-
-def per_problem(records, key):
-    """{problem id: [each of its samples' `key`]}."""
-    out = {}
-    for r in records:
-        out.setdefault(r["id"], []).append(r[key])
-    return out
-
-
-def avg_at_k(records, key):
-    """The mean over problems of the percentage of their samples whose `key` is true."""
-    per = per_problem(records, key).values()
-    return 100 * sum(sum(c) / len(c) for c in per) / len(per)
-
-
-def summarize(records):
-    """One row per benchmark from per-sample records, plus the mean of avg@k over the benchmarks. With a
-    judge, `avg@k judged` counts a sample right when the rules or the judge say so."""
-    rows = {}
-    for name in dict.fromkeys(r["benchmark"] for r in records):
-        rs = [r for r in records if r["benchmark"] == name]
-        right = per_problem(rs, "correct").values()
-        rows[name] = {"n": len(right), "k": max(map(len, right)), "avg@k": avg_at_k(rs, "correct"),
-                      "pass@k": 100 * sum(any(c) for c in right) / len(right),
-                      "mean_len": sum(r["length"] for r in rs) / len(rs),
-                      "truncated": sum(r["finish_reason"] == "length" for r in rs) / len(rs)}
-        if "judged" in rs[0]:
-            rows[name]["avg@k judged"] = avg_at_k(rs, "judged")
-    if rows:
-        averaged = [key for key in next(iter(rows.values())) if key.startswith("avg@k")]
-        rows["average"] = {key: sum(r[key] for r in rows.values()) / len(rows) for key in averaged}
-    return rows
 
 
 def table(rows):
@@ -129,30 +46,6 @@ def table(rows):
     return "\n".join(lines)
 
 
-def evaluate(engine, tok, names, samples, temperature, top_p, max_tokens, rank=0, world=1, data_dir=None,
-             limit=None, chat_template=True, enable_thinking=False, seed=0, sources=None, unboxed=False):
-    """Per-sample records for this rank's share of each benchmark (problem i goes to rank i % world).
-    Each benchmark's prompts go to the engine in one call; the answers are checked on parallel threads.
-    The answer is the last box (the paper's protocol), or with `unboxed` reward.extract_answer's pick."""
-    records = []
-    for name in names:
-        every = load_benchmark(name, data_dir, (sources or {}).get(name))[:limit]
-        problems, k = every[rank::world], samples or BENCHMARKS[name][4]
-        prompts = [encode_prompt(tok, p["problem"], chat_template, enable_thinking) for p in problems]
-        seeds = [seed_of(seed, i) for i in range(rank, len(every), world)]
-        outs = engine.generate(prompts, k, temperature, top_p, max_tokens, seeds, progress=rank == 0)
-        texts = [tok.decode(s.tokens, skip_special_tokens=True) for out in outs for s in out]
-        golds = [p["answer"] for p in problems for _ in range(k)]
-        answers = [(extract_answer if unboxed else extract_boxed)(text) for text in texts]
-        for j, (text, gold, answer, ok) in enumerate(zip(texts, golds, answers, check_all(answers, golds))):
-            sample = outs[j // k][j % k]
-            records.append({"benchmark": name, "id": problems[j // k]["id"], "sample": j % k,
-                            "problem": problems[j // k]["problem"], "completion": text,
-                            "extracted": answer, "gold": gold, "correct": ok,
-                            "length": len(sample.tokens), "finish_reason": sample.finish_reason})
-    return records
-
-
 def judge(records, engine, tok, template=None, max_tokens=16):
     """A second opinion on every sample the rules rejected, as JustRL grades with CompassVerifier-3B: the
     judge model reads the problem, the gold and the whole response, greedily, and only its "A" counts.
@@ -166,27 +59,6 @@ def judge(records, engine, tok, template=None, max_tokens=16):
     for r in records:
         r.setdefault("judge", None)
         r["judged"] = r["correct"] or r["judge"] == "A"
-
-
-def longest_prompt(tok, args):
-    """`stapo.py --eval-every`: the longest prompt of --eval-benchmarks, in tokens."""
-    problems = [p for name in args.eval_benchmarks.split(",")
-                for p in load_benchmark(name, args.eval_data_dir or None)]
-    prompts = [encode_prompt(tok, p["problem"], args.chat_template, args.enable_thinking) for p in problems]
-    return max(map(len, prompts))
-
-
-def evaluate_during_training(engine, tok, args, rank, world):
-    """`stapo.py --eval-every K`: the same evaluation through the trainer's engine, decoded with
-    --eval-preset's temperature and top-p and graded by the equivalence checker whatever --reward trains
-    with; returns eval/<name>."""
-    temperature, top_p = PRESETS[args.eval_preset]
-    mine = evaluate(engine, tok, args.eval_benchmarks.split(","), args.eval_samples or None,
-                    temperature, top_p, args.eval_max_tokens, rank, world,
-                    data_dir=args.eval_data_dir or None, chat_template=args.chat_template,
-                    enable_thinking=args.enable_thinking, seed=args.seed)
-    records = sum(gather(mine), [])
-    return {f"eval/{name}": r["avg@k"] for name, r in summarize(records).items()}
 
 
 def compare(a, b):
@@ -285,8 +157,9 @@ def run(a, names, temperature, top_p, rank, world, device):
                         "--judge-only --judge MODEL")
         tok, engine = load_engine(a, a.model, device, a.max_tokens + 2048, a.gpu_memory_utilization)
         t0 = time.time()
-        mine = evaluate(engine, tok, names, a.samples, temperature, top_p, a.max_tokens, rank, world, a.data_dir,
-                        a.limit, a.chat_template, a.enable_thinking, a.seed, a.sources, a.unboxed)
+        opts = EvalOptions(a.samples, temperature, top_p, a.max_tokens, a.data_dir, a.limit, a.chat_template,
+                           a.enable_thinking, a.seed, a.sources, a.unboxed)
+        mine = evaluate(engine, tok, names, opts, rank, world)
         seconds, records, pids = time.time() - t0, sum(gather(mine), []), gather(os.getpid())
         if rank == 0:
             for old in glob.glob(os.path.join(a.out, "judged.*.jsonl")):  # verdicts on an earlier run's samples

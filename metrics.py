@@ -1,5 +1,5 @@
 """metrics.py: what a step measures, and where it goes. Each step's metrics (rewards, lengths, S2T's counts,
-clip fractions, the paper's token-level analysis, time and memory peaks) as one row of metrics.jsonl, and to
+clip fractions, the token-level analysis when on, time and memory peaks) as one row of metrics.jsonl, and to
 W&B or TensorBoard when asked; the silenced tokens in their context, to silenced.jsonl.
 """
 import json
@@ -45,9 +45,9 @@ class StepMetrics:
     """One step's bookkeeping. Per-rank counts are summed over ranks once, in finish(); the S2T
     numbers and grad norms are already global (the same on every rank) and are kept as they are."""
 
-    def __init__(self, step, tok=None):
+    def __init__(self, step, tok=None, analysis=None):
         self.step, self.tok, self.silenced = step, tok, []  # with a tokenizer, silenced tokens are kept
-        self.sums, self.analysis = dict.fromkeys(SUMS, 0.0), TokenAnalysis()
+        self.sums, self.analysis = dict.fromkeys(SUMS, 0.0), analysis  # analysis.TokenAnalysis, or None
         self.candidates, self.tau_h, self.grad_norm, self.peaks = 0, [], [], {}
         self.is_min, self.is_max, self.t0 = float("inf"), float("-inf"), time.time()
 
@@ -99,17 +99,18 @@ class StepMetrics:
         row = {"step": self.step + 1, **rollout_row(n, top[0], group_size), **s2t_row(self, n), "lr": lr}
         row.update(grad_norm=sum(self.grad_norm) / len(self.grad_norm), **sync_row(n, top[1], probe_gap))
         row.update(resources_row(self, n["tokens"], top[3:]), **importance_row(n, is_min, top[2]))
-        row.update(TokenAnalysis.shares_row(analysed), **TokenAnalysis.taxonomy_row(analysed))
+        row.update(self.analysis.row(analysed) if self.analysis else {})
         return row, self.silenced
 
 
 def over_ranks(m):
     """A step's sums over all ranks (its own and the analysis's), its maxima (the longest response, the
     largest gap and rollout-IS ratio, the memory peaks) and the smallest rollout-IS ratio."""
-    summed = all_reduce_numbers(*m.sums.values(), *m.analysis.sums.values())
+    analysis = m.analysis.sums if m.analysis else {}
+    summed = all_reduce_numbers(*m.sums.values(), *analysis.values())
     top = all_reduce_numbers(m.longest, m.gap_max, m.is_max, *m.peaks.values(), op=dist.ReduceOp.MAX)
     is_min = all_reduce_numbers(m.is_min, op=dist.ReduceOp.MIN)[0]
-    return dict(zip(SUMS, summed)), dict(zip(m.analysis.sums, summed[len(SUMS):])), top, is_min
+    return dict(zip(SUMS, summed)), dict(zip(analysis, summed[len(SUMS):])), top, is_min
 
 
 def accumulate(sums, counts):
@@ -165,74 +166,6 @@ def importance_row(n, is_min, is_max):
     if not n["is_n"]:
         return {}
     return {"rollout_is_min": is_min, "rollout_is_mean": n["is_sum"] / n["is_n"], "rollout_is_max": is_max}
-
-
-# ---- the paper's token-level analysis --------------------------------------------------------------------
-
-# The taxonomy's eight groups: the sign of A, p below or above tau_p, H below or above S2T's tau_h. The four
-# posA groups are the late paper's (posA_lowP_lowH is the set S2T silences); with the four negA groups they
-# are the early version's eight.
-GROUPS = [f"{a}A_{p}P_{h}H" for a in ("pos", "neg") for p in ("low", "high") for h in ("low", "high")]
-SPURIOUS = "posA_lowP_lowH"
-SHARES = ("silenced", "candidates_kept", "rest")
-
-
-def token_groups(low_p, adv, entropy, valid, tau_h):
-    """{group: bool mask [N, T]} of the valid tokens with A != 0, H split at tau_h (S2T's threshold of the
-    mini-batch); with low_p = p < tau_p, the SPURIOUS group is exactly s2t_mask's silenced set."""
-    low_h = entropy < tau_h
-    masks = [s & p & h for s in (adv > 0, adv < 0) for p in (low_p, ~low_p) for h in (low_h, ~low_h)]
-    return {g: m & valid for g, m in zip(GROUPS, masks)}
-
-
-class TokenAnalysis:
-    """The paper's token-level view of a step, as sums over this rank's tokens (StepMetrics sums them
-    over ranks). Each mini-batch adds (stapo.analyse):
-      - each set's sum of ||grad_a||^2 under the gradient the loss applies (S2T's silenced set, its other
-        candidates, the rest), and the silenced set's sum under the gradient it would get if kept;
-      - the eight groups' token counts, sums of the policy-gradient norm and of the entropy change, in the
-        mini-batches where S2T has a tau_h. With no candidate on any rank there is no tau_h to split H at:
-        the mini-batch is left out of the groups, and `taxonomy/split` says how much was split."""
-
-    def __init__(self):
-        keys = [*[f"g2/{k}" for k in SHARES], "g2/silenced_if_kept", "nonzero", "split"]
-        self.sums = dict.fromkeys(keys + [f"{g}/{k}" for g in GROUPS for k in ("n", "norm", "dH")], 0.0)
-
-    def add(self, s2t, low_p, adv, valid, tokens):
-        """tokens: [N, T] norms of the applied gradient, of the gradient were S2T's set kept, of the
-        policy-gradient term (w = ratio * A), and the entropy change."""
-        applied, if_kept, norm, change = tokens
-        silenced, candidates = s2t["silenced"], s2t["candidates"]
-        parts = [silenced, candidates & ~silenced, valid & ~candidates]
-        add = {f"g2/{k}": applied[m].square().sum() for k, m in zip(SHARES, parts)}
-        add["g2/silenced_if_kept"] = if_kept[silenced].square().sum()
-        add["nonzero"] = (valid & (adv != 0)).sum()
-        if s2t["tau_h"] is not None:
-            add["split"] = add["nonzero"]
-            for g, m in token_groups(low_p, adv, s2t["entropy"], valid, s2t["tau_h"]).items():
-                add.update({f"{g}/n": m.sum(), f"{g}/norm": norm[m].sum(), f"{g}/dH": change[m].sum()})
-        accumulate(self.sums, add)
-
-    @staticmethod
-    def shares_row(n):
-        """Each set's share of sum ||grad_a||^2 as the loss applies it; and the silenced set's share were it
-        kept (the same loss, those tokens given back their weight)."""
-        total = sum(n[f"g2/{k}"] for k in SHARES)
-        row = {f"grad_share/{k}": n[f"g2/{k}"] / total if total else None for k in SHARES}
-        if_kept = total - n["g2/silenced"] + n["g2/silenced_if_kept"]
-        row["grad_share/silenced_if_kept"] = n["g2/silenced_if_kept"] / if_kept if if_kept else None
-        return row
-
-    @staticmethod
-    def taxonomy_row(n):
-        """Each group's share of the split tokens, mean policy-gradient norm and mean entropy change."""
-        row, tokens = {"taxonomy/split": n["split"] / n["nonzero"] if n["nonzero"] else 0.0}, n["split"]
-        for g in GROUPS:
-            k = n[f"{g}/n"]
-            row[f"taxonomy/{g}/tokens"] = k / tokens if tokens else 0.0
-            row[f"taxonomy/{g}/grad_norm"] = n[f"{g}/norm"] / k if k else None
-            row[f"taxonomy/{g}/dH"] = n[f"{g}/dH"] / k if k else None
-        return row
 
 
 def silenced_records(step, tok, rows, idx, s2t):

@@ -111,14 +111,14 @@ def response_logprobs(policy, rows, idx, valid, temperature):
 
 
 @torch.no_grad()
-def measure(policy, rows, idx, valid, args):
+def measure(policy, rows, idx, valid, micro_tokens, temperature):
     """response_logprobs of mini-batch idx without a graph, in the micro-batches update() runs it
     in: the same shapes, so the same numbers for the same weights."""
     logp = torch.zeros(len(idx), valid.shape[1], device=valid.device)
     stats = torch.zeros(len(idx), valid.shape[1], 2, device=valid.device)
     at = {i: k for k, i in enumerate(idx)}
-    for mb in micro_batches(rows, idx, args.micro_tokens):
-        out = response_logprobs(policy, rows, mb or idx[:1], valid, args.temperature)
+    for mb in micro_batches(rows, idx, micro_tokens):
+        out = response_logprobs(policy, rows, mb or idx[:1], valid, temperature)
         if mb:
             logp[[at[i] for i in mb]], stats[[at[i] for i in mb]] = out
     return logp, stats

@@ -104,17 +104,17 @@ def load_problems(spec):
     return out
 
 
-def step_prompts(data, step, args, rank, world):
-    """This rank's share of step `step`'s prompts, mini-batch by mini-batch: mini-batch b is the same
-    block of prompts whatever the world size. The data is shuffled anew (seeded) every epoch."""
-    per_mb, n = args.prompts_per_step // args.minibatches, len(data)
-    first_epoch = step * args.prompts_per_step // n
-    last_epoch = ((step + 1) * args.prompts_per_step - 1) // n
-    orders = {e: torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 7919 + e))
+def step_prompts(data, step, per_step, minibatches, seed, rank, world):
+    """This rank's share of step `step`'s `per_step` prompts, mini-batch by mini-batch: mini-batch b is the
+    same block of prompts whatever the world size. The data is shuffled anew (seeded) every epoch."""
+    per_mb, n = per_step // minibatches, len(data)
+    first_epoch = step * per_step // n
+    last_epoch = ((step + 1) * per_step - 1) // n
+    orders = {e: torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + e))
               for e in range(first_epoch, last_epoch + 1)}
     out = []
-    for b in range(args.minibatches):
-        first = step * args.prompts_per_step + b * per_mb + rank * (per_mb // world)
+    for b in range(minibatches):
+        first = step * per_step + b * per_mb + rank * (per_mb // world)
         for g in range(first, first + per_mb // world):
             out.append((g, *data[int(orders[g // n][g % n])]))
     return out

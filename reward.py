@@ -18,7 +18,7 @@ one inequality against another, up to a positive factor; structures (matrices; t
 order; sets and lists unordered; an inequality of one variable as its interval); equations, up to a non-zero
 factor; numbers (exact, or within REL_TOL = 1e-4 when written as decimals); else sympy.simplify.
 """
-import atexit, json, math, os, re, select, subprocess, sys, threading, time, weakref
+import atexit, functools, json, math, os, re, select, subprocess, sys, threading, time, weakref
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
@@ -181,7 +181,7 @@ def check_all(answers, golds):
     """is_equivalent over many extracted answers (None is wrong), on the same pool of threads."""
     def check(answer, gold):
         return answer is not None and is_equivalent(answer, gold)
-    return list(_pool.map(check, answers, golds))
+    return list(_pool().map(check, answers, golds))
 
 
 # ---- The judge: a model's second opinion on what the rules reject (eval.py --judge) ----------------------
@@ -784,14 +784,19 @@ def _sym_ratio(a, b):
 
 _RANKS = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))  # torchrun's ranks on this node share its cores
 _POOL_SIZE = max(1, (os.cpu_count() or 1) // _RANKS)  # score_all's threads, each with its sympy process
-_local, _pool = threading.local(), ThreadPoolExecutor(max_workers=_POOL_SIZE)  # threads start lazily
-_workers = weakref.WeakSet()
+_local, _workers = threading.local(), weakref.WeakSet()
 
 
-@atexit.register
+@functools.lru_cache(maxsize=1)
+def _pool():
+    """score_all's thread pool and its exit hook, started on first use: importing starts nothing."""
+    atexit.register(_shutdown)
+    return ThreadPoolExecutor(max_workers=_POOL_SIZE)
+
+
 def _shutdown():
     """At exit: no thread waits on a check, and no worker process outlives its parent."""
-    _pool.shutdown(wait=False, cancel_futures=True)
+    _pool().shutdown(wait=False, cancel_futures=True)
     for worker in list(_workers):
         worker.close()
 

@@ -44,7 +44,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from stapo import s2t_candidates, s2t_mask, s2t_threshold, stapo_loss  # noqa: E402  the copied block
+from stapo_core import s2t_candidates, s2t_mask, s2t_threshold, stapo_loss  # noqa: E402  the copied block
 
 MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
            "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")  # vision

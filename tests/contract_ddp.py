@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from stapo import s2t_candidates, s2t_mask, s2t_threshold, stapo_loss  # noqa: E402
+from stapo_core import s2t_candidates, s2t_mask, s2t_threshold, stapo_loss  # noqa: E402
 
 SCALES = ("global/W", "loss*W", "global", "per-rank tau_h")
 

@@ -1,43 +1,49 @@
-"""Reference runs: fixed-seed training runs whose metrics a change that means to alter nothing must leave equal.
+"""Reference runs: fixed-seed training runs whose metrics a change that means to alter nothing must leave equal,
+key by key, against the trainer of a known-good commit (BASELINE).
 
-    python tests/reference.py --write            # record tests/data/reference/<run>.jsonl (before a refactor)
-    python tests/reference.py OUT [RUN[:STEPS] ...]   # rerun into OUT, all or the first STEPS steps
+    python tests/reference.py --write            # record BASELINE's runs for this machine (tests/data/reference)
+    python tests/reference.py OUT [RUN[:STEPS] ...]   # this tree's runs into OUT, all or the first STEPS steps
 
-Runs: the toy (its warm start, then 40 steps of STAPO) on one rank, on two, and in one micro-batch, and 3
-steps through vLLM's CPU build on two ranks. Each is a subprocess with one thread, so the float order is
-the same every time. The learning rate is constant (no warm-up), so a shorter run's steps are the first steps
-of the recorded one: tests/test_reference.py reruns a prefix of each to keep CI short.
+Runs: the toy (its warm start, then 40 steps of STAPO, the token analysis on) on one rank, on two, and in one
+micro-batch, and 3 steps through vLLM's CPU build on two ranks. Each is a subprocess with one thread, so the
+float order is the same every time. The learning rate is constant (no warm-up), so a shorter run's steps are
+the first steps of the recorded one: tests/test_reference.py reruns a prefix of each to keep CI short.
 
-The numbers hold for one machine's float kernels: another CPU (another vendor's BLAS path, another vector
-width) warm-starts the toy to other weights, and every sampled token after that differs. So each recording
-is named for the warm start it began from, <run>-<id>.jsonl with id a hash of the warm-started weights, and
-a machine whose warm start has no recording has nothing to compare against (record one there, on a commit
-known to be good).
+The numbers hold for one machine's float kernels: another CPU (another vector width, another BLAS) warm-starts
+the toy to other weights, and every sampled token after that differs. So a recording is named for the warm
+start it began from, <run>-<id>.jsonl with id a hash of the warm-started weights. A machine whose warm start
+has none runs BASELINE's trainer itself (its files from git, on the same warm start) beside this tree's, and
+compares the two: the guard holds on any CPU, at twice the time.
 """
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "data", "reference")
+BASELINE = open(os.path.join(GOLDEN, "BASELINE")).read().split()[0]  # the commit whose trainer is the reference
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
 # What varies from run to run by nature: time and memory
 VARYING = {"rollout_s", "train_s", "step_s", "tokens_per_s"}
 
 
-def toy_model(d, hidden=64):
-    """The toy's tokenizer and model, warm-started (its own fixed seeds), and its training problems."""
+def toy_model(d, hidden=64, tied=False):
+    """The tests' one warm start: the toy's tokenizer and a Qwen3 of `hidden` (tied: its embedding is its LM
+    head), warm-started by the toy's supervised phase (its own fixed seeds) into d/model, and its training
+    problems in d/train.jsonl. Returns the tokenizer."""
     import toy
     os.makedirs(d, exist_ok=True)
     tok = toy.build_tokenizer(os.path.join(d, "model"))
     train = toy.problems()[0]
-    model = toy.warm_start(toy.build_model(os.path.join(d, "model"), tok, hidden=hidden), tok, train, steps=120)
-    model.save_pretrained(os.path.join(d, "model"))
+    model = toy.build_model(os.path.join(d, "model"), tok, hidden=hidden, tied=tied)
+    toy.warm_start(model, tok, train, steps=120).save_pretrained(os.path.join(d, "model"))
     with open(os.path.join(d, "train.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in train)
+    return tok
 
 
 def flags(d, out, steps, *extra):
@@ -48,11 +54,14 @@ def flags(d, out, steps, *extra):
             "--log-silenced", "--seed", "0", *extra]
 
 
-def train(argv, nproc):
+def train(argv, nproc, root=ROOT):
+    """root's stapo.py on argv, as one process or under torchrun; a trainer that has the switch runs with
+    --analysis (BASELINE's always ran the analysis)."""
+    trainer = os.path.join(root, "stapo.py")
+    argv += ["--analysis"] if '"--analysis"' in open(trainer).read() else []
     launch = [sys.executable] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    r = subprocess.run(launch + [os.path.join(ROOT, "stapo.py"), *argv], capture_output=True, text=True,
-                       cwd=ROOT, env=ENV, timeout=900)
+    r = subprocess.run(launch + [trainer, *argv], capture_output=True, text=True, cwd=root, env=ENV, timeout=900)
     if r.returncode:
         raise RuntimeError(r.stderr[-4000:])
 
@@ -65,15 +74,14 @@ RUNS = {  # name: (model's hidden size, steps, ranks, extra flags)
 }
 
 
-def run(name, out, steps=None):
-    """One reference run into out/<name>, all its steps or the first `steps`; returns its metrics rows.
-    Runs with the same hidden size share one warm-started model under out."""
+def run(name, out, steps=None, root=ROOT):
+    """One reference run of root's trainer into out/<name>, all its steps or the first `steps`; returns its
+    metrics rows. Runs with the same hidden size share one warm-started model under out."""
     hidden, all_steps, nproc, extra = RUNS[name]
-    steps = steps or all_steps
     model = os.path.join(out, f"model_{hidden}")
     if not os.path.exists(os.path.join(model, "train.jsonl")):
         toy_model(model, hidden)
-    train(flags(model, os.path.join(out, name), steps, *extra), nproc)
+    train(flags(model, os.path.join(out, name), steps or all_steps, *extra), nproc, root)
     return [json.loads(line) for line in open(os.path.join(out, name, "metrics.jsonl"))]
 
 
@@ -94,15 +102,37 @@ def comparable(row):
     return {k: v for k, v in row.items() if k not in VARYING and not k.startswith("peak_gb/")}
 
 
+def baseline_tree(where):
+    """BASELINE's files, from this repository's git history, under `where`; returns that folder."""
+    tree = os.path.join(where, f"baseline-{BASELINE[:8]}")
+    if not os.path.exists(tree):
+        os.makedirs(tree)
+        archive = subprocess.run(["git", "-C", ROOT, "archive", BASELINE], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+    return tree
+
+
+def baseline_rows(name, out, steps=None):
+    """The metrics of BASELINE's trainer on run `name`, on the warm start under out: the recording where this
+    machine has one, else a run of BASELINE's trainer beside it (out/baseline/<name>)."""
+    path = golden(name, out)
+    if os.path.exists(path):
+        return [json.loads(line) for line in open(path)][:steps]
+    where, model = os.path.join(out, "baseline"), f"model_{RUNS[name][0]}"
+    os.makedirs(where, exist_ok=True)
+    if not os.path.exists(os.path.join(where, model)):  # the same warm start: the one this tree's toy built
+        os.symlink(os.path.join(out, model), os.path.join(where, model))
+    return [comparable(r) for r in run(name, where, steps, baseline_tree(out))]
+
+
 if __name__ == "__main__":
     import torch
     torch.set_num_threads(1)
     if sys.argv[1] == "--write":
-        import tempfile
         os.makedirs(GOLDEN, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
             for name in sys.argv[2:] or RUNS:
-                rows = run(name, tmp)
+                rows = run(name, tmp, root=baseline_tree(tmp))
                 with open(golden(name, tmp), "w") as f:
                     f.writelines(json.dumps(comparable(r)) + "\n" for r in rows)
     else:

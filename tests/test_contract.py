@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import contract_ddp
-from stapo import s2t_mask, stapo_loss
+from stapo_core import s2t_mask, stapo_loss
 from test_core import _batch as core_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))

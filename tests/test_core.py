@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from head import ChunkedHead, token_logprobs_and_entropy
-from metrics import GROUPS, SPURIOUS, token_groups
-from stapo import (entropy_change, group_advantages, logit_gradient_norm, loss_token_weight, quantile,
-                   rollout_is_weights, s2t_candidates, s2t_mask, s2t_threshold, stapo_loss)
+from analysis import GROUPS, SPURIOUS, entropy_change, logit_gradient_norm, loss_token_weight, token_groups
+from stapo import rollout_is_weights
+from stapo_core import group_advantages, quantile, s2t_candidates, s2t_mask, s2t_threshold, stapo_loss
 
 
 # ---------------------------------------------------------------- group_advantages

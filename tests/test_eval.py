@@ -7,6 +7,7 @@ import sys
 import pytest
 
 import eval as ev
+import evaluation
 import problems
 import stapo
 from problems import seed_of
@@ -17,9 +18,9 @@ BENCH = os.path.join(ROOT, "..", "shared", "data", "benchmarks")
 
 @pytest.mark.skipif(not os.path.isdir(BENCH), reason="../shared/data/benchmarks is absent")
 def test_offline_benchmarks_load_with_the_right_counts():
-    counts = {name: len(ev.load_benchmark(name, BENCH)) for name in ev.BENCHMARKS}
+    counts = {name: len(evaluation.load_benchmark(name, BENCH)) for name in evaluation.BENCHMARKS}
     assert counts == {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva": 272, "olympiadbench": 675}
-    assert [ev.BENCHMARKS[n][4] for n in ev.BENCHMARKS] == [32, 32, 32, 4, 4, 4]
+    assert [evaluation.BENCHMARKS[n][4] for n in evaluation.BENCHMARKS] == [32, 32, 32, 4, 4, 4]
 
 
 HUB_ROWS = {  # one row in each Hub dataset's own layout, and what it must map to
@@ -45,7 +46,7 @@ def test_hub_column_mapping(name, fmt, tmp_path):
         pq.write_table(pa.Table.from_pylist([row, row]), path)
     else:
         path.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
-    got = ev.load_benchmark(name, source=str(path))
+    got = evaluation.load_benchmark(name, source=str(path))
     assert got[0]["problem"] == "P" and got[0]["answer"] == answer and len(got) == 2
     assert got[0]["id"] == str(row.get("id", row.get("unique_id", 0)))
 
@@ -64,7 +65,7 @@ def test_verl_layout_of_justrl_files(fmt, tmp_path):
         pq.write_table(pa.Table.from_pylist([row]), path)
     else:
         path.write_text(json.dumps(row) + "\n")
-    assert ev.load_benchmark("olympiadbench", source=str(path)) == [
+    assert evaluation.load_benchmark("olympiadbench", source=str(path)) == [
         {"id": "Olympiad-Bench-7", "problem": "P", "answer": "(1,2)"}]
 
 
@@ -74,11 +75,11 @@ def test_justrl_olympiadbench_variant_from_the_command_line(tiny, tmp_path):
     """JustRL's 674-row OlympiadBench (relay problems given a concrete T, id 1965 dropped, golds in $...$)
     loads through --source; a malformed --source is refused by name."""
     variant = os.path.join(BENCH, "variants", "justrl", "olympiadbench.jsonl")
-    rows = ev.load_benchmark("olympiadbench", source=variant)
+    rows = evaluation.load_benchmark("olympiadbench", source=variant)
     assert len(rows) == 674 and not any(r["answer"].startswith("$") for r in rows)
     relay = "Let $T=T N Y W R$"  # "the number you will receive": unsolvable alone
     assert sum(relay in r["problem"] for r in rows) == 0
-    assert sum(relay in r["problem"] for r in ev.load_benchmark("olympiadbench", BENCH)) == 15
+    assert sum(relay in r["problem"] for r in evaluation.load_benchmark("olympiadbench", BENCH)) == 15
     r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", str(tiny[0] / "model"),
                         "--benchmarks", "olympiadbench", "--source", f"olympiadbench={variant}", "--limit", "1",
                         "--samples", "1", "--max-tokens", "4", "--out", str(tmp_path / "o")],
@@ -93,7 +94,7 @@ def test_justrl_olympiadbench_variant_from_the_command_line(tiny, tmp_path):
 
 def test_olympiad_multi_answer_golds_join():
     row = {"id": 1, "question": "P", "final_answer": ["$(1,8,19)$", "$(2,7,13)$"]}
-    assert ev.benchmark_row("olympiadbench", row, 0, "x")["answer"] == "(1,8,19), (2,7,13)"
+    assert evaluation.benchmark_row("olympiadbench", row, 0, "x")["answer"] == "(1,8,19), (2,7,13)"
 
 
 def test_avg_and_pass_at_k_by_hand():
@@ -102,7 +103,7 @@ def test_avg_and_pass_at_k_by_hand():
     records = [rec("a", "1", True), rec("a", "1", False), rec("a", "1", False), rec("a", "1", True),
                rec("a", "2", False), rec("a", "2", False), rec("a", "2", False), rec("a", "2", False, 30, "length"),
                rec("b", "x", True), rec("b", "x", True)]
-    rows = ev.summarize(records)
+    rows = evaluation.summarize(records)
     assert rows["a"] == {"n": 2, "k": 4, "avg@k": 25.0, "pass@k": 50.0, "mean_len": 12.5, "truncated": 0.125}
     assert rows["b"]["avg@k"] == 100.0 and rows["b"]["pass@k"] == 100.0 and rows["b"]["k"] == 2
     assert rows["average"]["avg@k"] == 62.5
@@ -111,7 +112,7 @@ def test_avg_and_pass_at_k_by_hand():
 def six_benchmarks(d, bad=None):
     """A data dir with the six files: 3 problems each, 1 + 1 = 2 style."""
     d.mkdir(exist_ok=True)
-    for name in ev.BENCHMARKS:
+    for name in evaluation.BENCHMARKS:
         lines = [json.dumps({"id": str(i), "problem": f"What is {i} + 1?", "answer": str(i + 1)}) for i in range(3)]
         if name == bad:
             lines[1] = '{"id": "1", "problem": "What is 1 + 1?"}'
@@ -131,7 +132,7 @@ def test_end_to_end_on_the_toy_model_and_compare(tiny, tmp_path):
                            capture_output=True, text=True, cwd=ROOT, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
     summary = (tmp_path / "a" / "summary.md").read_text()
-    for name in ev.BENCHMARKS:
+    for name in evaluation.BENCHMARKS:
         assert f"| {name} | 2 | 2 |" in summary
     assert "**average**" in summary
     res = json.load(open(tmp_path / "a" / "results.json"))
@@ -141,7 +142,7 @@ def test_end_to_end_on_the_toy_model_and_compare(tiny, tmp_path):
     assert {"benchmark", "id", "sample", "problem", "completion", "extracted", "gold", "correct", "length",
             "finish_reason"} == samples[0].keys()
     # the table agrees with the samples
-    for name in ev.BENCHMARKS:
+    for name in evaluation.BENCHMARKS:
         rs = [s for s in samples if s["benchmark"] == name]
         assert res["table"][name]["avg@k"] == pytest.approx(100 * sum(s["correct"] for s in rs) / len(rs))
     r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--compare", str(tmp_path / "a"),
@@ -202,7 +203,7 @@ def test_a_failed_or_killed_judge_loses_nothing_and_a_rerun_judges_only_what_is_
 def test_malformed_benchmark_file_names_file_and_line(tmp_path):
     data = six_benchmarks(tmp_path / "data", bad="minerva")
     with pytest.raises(ValueError, match=r"minerva\.jsonl:2: missing field 'answer'"):
-        ev.load_benchmark("minerva", str(data))
+        evaluation.load_benchmark("minerva", str(data))
 
 
 @pytest.mark.slow  # subprocesses: the CLIs, or a whole training run
@@ -234,9 +235,9 @@ def test_eval_during_training_gets_the_context_it_asks_for(tiny, tmp_path, monke
     argv = ["--model", str(d / "model"), "--dataset", str(d / "train.jsonl"), "--out", str(tmp_path / "run"),
             "--prompts-per-step", "4", "--minibatches", "1", "--max-prompt-len", "64", "--max-response-len", "6",
             "--eval-every", "1", "--eval-benchmarks", "aime24,math500", "--eval-data-dir", str(data)]
-    longest = ev.longest_prompt(tok, stapo.get_args(argv))
+    longest = evaluation.longest_prompt(tok, ["aime24", "math500"], evaluation.EvalOptions(data_dir=str(data)))
     assert longest == max(len(problems.encode_prompt(tok, r["problem"])) for n in ("aime24", "math500")
-                          for r in ev.load_benchmark(n, str(data)))
+                          for r in evaluation.load_benchmark(n, str(data)))
     seen = []
 
     def engine(kind, model, tok, device, context, *rest, **kw):
@@ -272,8 +273,9 @@ def test_eval_during_training_decodes_with_its_preset_and_grades_with_the_checke
             box = lambda p: tok(f"\\boxed{{0{gold[tuple(p)]}}}", add_special_tokens=False)["input_ids"]  # noqa
             return [[Sample(box(p), "stop")] * n for p in prompts]
     parallel.init_distributed()
-    assert ev.evaluate_during_training(PaddedAnswers(), tok, args, 0, 1)["eval/math500"] == 100.0
-    assert seen == [ev.PRESETS["justrl"]] and stapo.get_args([]).eval_preset == "train"
+    opts = stapo.eval_options(args)
+    assert evaluation.evaluate_during_training(PaddedAnswers(), tok, ["math500"], opts, 0, 1)["eval/math500"] == 100.0
+    assert seen == [evaluation.PRESETS["justrl"]] and stapo.get_args([]).eval_preset == "train"
 
 
 class SeedEngine:
@@ -291,8 +293,8 @@ class SeedEngine:
 def test_sharding_over_ranks_gives_the_records_of_one_process(tiny, tmp_path):
     _, tok = tiny
     data = six_benchmarks(tmp_path / "data")
-    run = lambda rank, world: ev.evaluate(SeedEngine(tok), tok, ["aime24", "minerva"], 2, 1.0, 1.0, 8, rank,  # noqa
-                                          world, str(data), seed=5)
+    opts = evaluation.EvalOptions(samples=2, max_tokens=8, data_dir=str(data), seed=5)
+    run = lambda rank, world: evaluation.evaluate(SeedEngine(tok), tok, ["aime24", "minerva"], opts, rank, world)  # noqa
     key = lambda r: (r["benchmark"], r["id"], r["sample"])  # noqa: E731
     one = sorted(run(0, 1), key=key)
     assert sorted(run(0, 2) + run(1, 2), key=key) == one and len(one) == 2 * 3 * 2
@@ -344,9 +346,9 @@ def test_a_rank_with_no_problems_returns_no_records(tiny, tmp_path):
     import torch
     engine = HFEngine(str(d / "model"), torch.device("cpu"), torch.float32, tok.eos_token_id)
     data = six_benchmarks(tmp_path / "data")
-    assert ev.evaluate(engine, tok, ["math500"], 2, 1.0, 1.0, 4, rank=3, world=4, data_dir=str(data), limit=2) == []
-    assert len(ev.evaluate(engine, tok, ["math500"], 2, 1.0, 1.0, 4, rank=1, world=4, data_dir=str(data),
-                           limit=2)) == 2
+    opts = evaluation.EvalOptions(samples=2, max_tokens=4, data_dir=str(data), limit=2)
+    assert evaluation.evaluate(engine, tok, ["math500"], opts, rank=3, world=4) == []
+    assert len(evaluation.evaluate(engine, tok, ["math500"], opts, rank=1, world=4)) == 2
 
 
 class TextEngine:
@@ -364,8 +366,9 @@ def test_unboxed_answers_count_only_with_the_flag(tiny, tmp_path):
     _, tok = tiny
     data = six_benchmarks(tmp_path / "data")  # golds 1, 2, 3
     engine = TextEngine(tok, "So the answer is $2$.")
-    boxed = ev.evaluate(engine, tok, ["math500"], 1, 1.0, 1.0, 8, data_dir=str(data))
-    unboxed = ev.evaluate(engine, tok, ["math500"], 1, 1.0, 1.0, 8, data_dir=str(data), unboxed=True)
+    opts = evaluation.EvalOptions(samples=1, max_tokens=8, data_dir=str(data))
+    boxed = evaluation.evaluate(engine, tok, ["math500"], opts)
+    unboxed = evaluation.evaluate(engine, tok, ["math500"], evaluation.EvalOptions(**{**vars(opts), "unboxed": True}))
     assert [r["correct"] for r in boxed] == [False] * 3 and boxed[0]["extracted"] is None
     assert [r["correct"] for r in unboxed] == [False, True, False] and unboxed[1]["extracted"] == "2"
 

@@ -403,7 +403,7 @@ def _live_workers():
 def test_the_pool_shares_the_hosts_cores_among_the_local_ranks():
     """On a 224-thread node, torchrun's 8 ranks get 28 threads (and sympy processes) each, 224 in all,
     not 224 each; a rank alone gets every core."""
-    code = "import os; os.cpu_count = lambda: 224; import reward; print(reward._pool._max_workers)"
+    code = "import os; os.cpu_count = lambda: 224; import reward; print(reward._pool()._max_workers)"
     for ranks, size in (("8", 28), ("", 224), ("1", 224)):
         env = {**os.environ, "LOCAL_WORLD_SIZE": ranks}
         out = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.join(HERE, ".."),

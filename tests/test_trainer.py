@@ -19,6 +19,7 @@ import problems
 import parallel
 import metrics
 import stapo
+import analysis
 from rollout import HFEngine, Sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -233,7 +234,7 @@ SECOND_SIGNAL = """
 import os, signal, sys, time
 sys.path.insert(0, sys.argv[1])
 from checkpoint import StopAtStepEnd
-with StopAtStepEnd() as stop:
+with StopAtStepEnd("unused") as stop:
     os.kill(os.getpid(), signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGTERM)  # the same stop twice at once: a scheduler's, and the agent's copy
     print("noted", stop.got, flush=True)
@@ -280,15 +281,15 @@ def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path, monkeypatch):
     silenced (breaks with another entropy cut than S2T's tau_h); the silenced tokens' applied share of the
     gradient is 0 and their share if kept is logged beside it (breaks with the unclipped, unsilenced weight)."""
     d, _ = tiny
-    real_add, split = metrics.TokenAnalysis.add, []
+    real_add, split = analysis.TokenAnalysis.add, []
 
     def checked(self, s2t, low_p, adv, valid, tokens):
         if s2t["tau_h"] is not None:
-            groups = metrics.token_groups(low_p, adv, s2t["entropy"], valid, s2t["tau_h"])
-            split.append(torch.equal(groups[metrics.SPURIOUS], s2t["silenced"]))
+            groups = analysis.token_groups(low_p, adv, s2t["entropy"], valid, s2t["tau_h"])
+            split.append(torch.equal(groups[analysis.SPURIOUS], s2t["silenced"]))
         return real_add(self, s2t, low_p, adv, valid, tokens)
-    monkeypatch.setattr(metrics.TokenAnalysis, "add", checked)
-    stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "2", "--log-silenced", "--tau-p", "0.9")))
+    monkeypatch.setattr(analysis.TokenAnalysis, "add", checked)
+    stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "2", "--log-silenced", "--tau-p", "0.9", "--analysis")))
     assert split and all(split)
     cfg = json.load(open(tmp_path / "config.json"))
     assert cfg["method"] == "stapo" and cfg["tau_p"] == 0.9 and cfg["world_size"] == 1
@@ -296,15 +297,15 @@ def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path, monkeypatch):
     need = {"reward_mean", "accuracy", "zero_variance_groups", "response_len_mean", "response_len_max", "truncated",
             "entropy_mean", "silenced_frac", "candidates", "tau_h", "clip_low", "clip_high", "grad_norm", "lr",
             "rollout_s", "train_s", "step_s", "tokens_per_s", "sync_probe_gap", "sync_probe_gap_mean",
-            "taxonomy/split", "grad_share/silenced_if_kept", *[f"grad_share/{k}" for k in metrics.SHARES],
-            *[f"taxonomy/{g}/{k}" for g in metrics.GROUPS for k in ("tokens", "grad_norm", "dH")]}
+            "taxonomy/split", "grad_share/silenced_if_kept", *[f"grad_share/{k}" for k in analysis.SHARES],
+            *[f"taxonomy/{g}/{k}" for g in analysis.GROUPS for k in ("tokens", "grad_norm", "dH")]}
     assert need <= m[0].keys() and not any(k.startswith("rollout_is") for k in m[0])  # off by default
     assert m[0]["silenced_frac"] > 0 and m[0]["candidates"] > 0  # tau_p = 0.9 makes most tokens candidates
     for x in m:  # the token analysis: shares of the gradient, and of the split tokens, each summing to one
-        assert sum(x[f"grad_share/{k}"] for k in metrics.SHARES) == pytest.approx(1)
-        assert x["taxonomy/split"] > 0 and sum(x[f"taxonomy/{g}/tokens"] for g in metrics.GROUPS) == pytest.approx(1)
+        assert sum(x[f"grad_share/{k}"] for k in analysis.SHARES) == pytest.approx(1)
+        assert x["taxonomy/split"] > 0 and sum(x[f"taxonomy/{g}/tokens"] for g in analysis.GROUPS) == pytest.approx(1)
         assert x["grad_share/silenced"] == 0 and (x["grad_share/silenced_if_kept"] > 0) == (x["silenced_frac"] > 0)
-        assert (x[f"taxonomy/{metrics.SPURIOUS}/tokens"] > 0) == (x["silenced_frac"] > 0)
+        assert (x[f"taxonomy/{analysis.SPURIOUS}/tokens"] > 0) == (x["silenced_frac"] > 0)
     sil = [json.loads(x) for x in open(tmp_path / "silenced.jsonl")]
     assert {"step", "token", "p", "H", "left", "right"} == sil[0].keys()
     for step in (1, 2):  # one line per silenced token: silenced_frac * the step's 16 samples' valid tokens
@@ -455,7 +456,7 @@ def test_method_objectives_on_a_fixed_batch(tiny):
     ent = torch.tensor([[0.5, 0.1, 2.0, 0.3], [0.4, 0.4, 0.4, 0.4], [1.0, 0.2, 3.0, 0.7]])
     valid = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     adv = torch.tensor([1.0, -1.0, 0.5])
-    s2t = stapo.spurious_tokens(logp, ent, adv, valid, args)
+    s2t = stapo.spurious_tokens(logp, ent, adv, valid, args.tau_p, args.q)
     # justrl: every valid token, one global count
     keep, denom = stapo.token_weights("justrl", ent, valid, s2t)
     assert torch.equal(keep, valid) and denom == 9
@@ -529,10 +530,9 @@ def test_bad_split_is_an_error(tiny, tmp_path):
 
 def test_step_prompts_split_by_minibatch_and_cover_each_epoch_once():
     data = [(f"p{i}", str(i)) for i in range(10)]
-    args = stapo.get_args(["--prompts-per-step", "4", "--minibatches", "2", "--seed", "3"])
-    one = [problems.step_prompts(data, s, args, 0, 1) for s in range(5)]
+    one = [problems.step_prompts(data, s, 4, 2, 3, 0, 1) for s in range(5)]  # 4 prompts, 2 mini-batches, seed 3
     for s in range(5):  # two ranks hold, mini-batch by mini-batch, what one process holds
-        r0, r1 = (problems.step_prompts(data, s, args, r, 2) for r in (0, 1))
+        r0, r1 = (problems.step_prompts(data, s, 4, 2, 3, r, 2) for r in (0, 1))
         assert one[s] == [r0[0], r1[0], r0[1], r1[1]]
     flat = [x for step in one for x in step]
     assert [g for g, _, _ in flat] == list(range(20))
@@ -577,7 +577,7 @@ adv, valid = torch.randn(8, generator=g), torch.rand(8, 5, generator=g) < 0.8
 args = stapo.get_args(["--tau-p", "0.5", "--q", "0.6"])
 rows = slice(0, 8) if world == 1 else [slice(0, 2), slice(2, 8)][rank]  # unequal shares
 out = {}
-s2t = stapo.spurious_tokens(logp[rows], ent[rows], adv[rows], valid[rows], args)
+s2t = stapo.spurious_tokens(logp[rows], ent[rows], adv[rows], valid[rows], args.tau_p, args.q)
 for method in ("stapo", "entropy20", "justrl", "grpo"):
     keep, denom = stapo.token_weights(method, ent[rows], valid[rows], s2t)
     out[method] = {"keep": parallel.gather(keep.float().tolist()), "denom": denom,
@@ -651,19 +651,18 @@ def test_the_eight_groups_and_the_gradient_shares_by_hand(tiny):
     ratio = torch.tensor([[1.0, 1.5, 1.0], [0.5, 1.0, 1.0]])
     adv, valid = torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool)
     batch = types.SimpleNamespace(old_logp=p.log() - ratio.log(), adv=adv, valid=valid)
-    s2t = stapo.spurious_tokens(p.log(), ent, adv, valid, args)
+    s2t = stapo.spurious_tokens(p.log(), ent, adv, valid, args.tau_p, args.q)
     assert s2t["silenced"].nonzero().tolist() == [[0, 0]] and s2t["tau_h"] == pytest.approx(0.725)
     keep = (valid & ~s2t["silenced"]).float()
-    m = metrics.StepMetrics(0)
-    stapo.analyse(p.log(), torch.stack([ent, collision], -1), batch, stapo.MiniBatch([0, 1], keep, 5.0),
-                  valid.float(), s2t, args, m)
+    m = analysis.TokenAnalysis("stapo", stapo.clip_settings(args), args.tau_p, args.temperature)
+    analysis.analyse(m, p.log(), torch.stack([ent, collision], -1), s2t, stapo.MiniBatch([0, 1], keep, 5.0), batch)
     w = ratio * adv[:, None]  # the policy-gradient term's weight, ratio * A
     norm = w.abs() * (1 - 2 * p + collision).sqrt()  # T = 1
     change = -w * p * (p.log() + ent)
     groups = {"posA_lowP_lowH": [(0, 0)], "posA_highP_lowH": [(0, 1)], "posA_lowP_highH": [(0, 2)],
               "negA_highP_lowH": [(1, 0), (1, 2)], "negA_lowP_lowH": [(1, 1)]}
-    sums = m.analysis.sums
-    for g in metrics.GROUPS:
+    sums = m.sums
+    for g in analysis.GROUPS:
         cells = groups.get(g, [])
         assert sums[f"{g}/n"] == len(cells), g
         assert sums[f"{g}/norm"] == pytest.approx(sum(norm[c].item() for c in cells)), g
@@ -672,17 +671,17 @@ def test_the_eight_groups_and_the_gradient_shares_by_hand(tiny):
     assert sums["g2/silenced"] == 0 and sums["g2/silenced_if_kept"] == pytest.approx(applied[0, 0].item() ** 2)
     assert sums["g2/candidates_kept"] == pytest.approx(applied[0, 2].item() ** 2)
     assert sums["g2/rest"] == pytest.approx(applied[1, 1].item() ** 2 + applied[1, 2].item() ** 2)
-    row = metrics.TokenAnalysis.shares_row(sums)
+    row = analysis.shares_row(sums)
     assert row["grad_share/silenced"] == 0 and row["grad_share/rest"] + row["grad_share/candidates_kept"] == 1
     if_kept = sums["g2/silenced_if_kept"] / (sums["g2/silenced_if_kept"] + sums["g2/candidates_kept"] + sums["g2/rest"])
     assert row["grad_share/silenced_if_kept"] == pytest.approx(if_kept)
     assert sums["split"] == sums["nonzero"] == 6
-    none = stapo.spurious_tokens(p.log(), ent, -adv.abs(), valid, args)  # A < 0 everywhere: no candidate, no tau_h
-    stapo.analyse(p.log(), torch.stack([ent, collision], -1), types.SimpleNamespace(**{**vars(batch), "adv": -adv.abs()}),
-                  stapo.MiniBatch([0, 1], valid.float(), 6.0), valid.float(), none, args, m)
+    none = stapo.spurious_tokens(p.log(), ent, -adv.abs(), valid, args.tau_p, args.q)  # A < 0: no candidate, no tau_h
+    analysis.analyse(m, p.log(), torch.stack([ent, collision], -1), none, stapo.MiniBatch([0, 1], valid.float(), 6.0),
+                     types.SimpleNamespace(**{**vars(batch), "adv": -adv.abs()}))
     assert none["tau_h"] is None and sums["split"] == 6 and sums["nonzero"] == 12
-    assert sum(sums[f"{g}/n"] for g in metrics.GROUPS) == 6  # the mini-batch with no tau_h is in no group
-    assert metrics.TokenAnalysis.taxonomy_row(sums)["taxonomy/split"] == 0.5
+    assert sum(sums[f"{g}/n"] for g in analysis.GROUPS) == 6  # the mini-batch with no tau_h is in no group
+    assert analysis.taxonomy_row(sums)["taxonomy/split"] == 0.5
 
 
 def test_rollout_is_weights_the_loss_and_is_exact_when_the_sampler_agrees(tiny, tmp_path):
@@ -701,7 +700,8 @@ def test_rollout_is_weights_the_loss_and_is_exact_when_the_sampler_agrees(tiny, 
     results = {}
     for mode, sampler in [("none", "trainer"), ("token", "trainer"), ("token", "zero")]:
         policy = stapo.build_policy(args.model, mesh, device)
-        trainer_logp = stapo.measure(policy, rows, sorted(range(16), key=lambda i: len(rows[i][1])), valid, args)
+        trainer_logp = stapo.measure(policy, rows, sorted(range(16), key=lambda i: len(rows[i][1])), valid,
+                                     args.micro_tokens, args.temperature)
         order = sorted(range(16), key=lambda i: len(rows[i][1]))
         logp = torch.zeros(valid.shape)
         logp[order] = trainer_logp[0]
@@ -728,20 +728,17 @@ def test_rollout_is_weights_the_loss_and_is_exact_when_the_sampler_agrees(tiny, 
 def test_a_tied_model_trains_on_one_and_two_ranks_resumes_and_exports_tied(tiny, tmp_path):
     """Qwen3-0.6B, 1.7B and 4B tie their embedding and LM head. Through the HF engine: 1 rank for 2 steps, then
     2 ranks resuming for a third; the export loads in transformers, still tied, and the shared matrix trained."""
-    import toy
+    from reference import toy_model
     from transformers import AutoModelForCausalLM
-    d, tok = tiny
-    model = toy.build_model(str(tmp_path / "tied"), tok, tied=True)
-    toy.warm_start(model, tok, toy.problems()[0], steps=120).save_pretrained(tmp_path / "tied")
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        (tmp_path / "tied" / f).write_bytes((d / "model" / f).read_bytes())
-    argv = args_for(d, tmp_path / "run", "--model", str(tmp_path / "tied"), "--save-every", "2", "--tau-p", "0.9",
+    d, _ = tiny
+    toy_model(tmp_path / "tied", tied=True)
+    argv = args_for(d, tmp_path / "run", "--model", str(tmp_path / "tied" / "model"), "--save-every", "2", "--tau-p", "0.9",
                     "--weight-decay", "0")  # what moves the weights is the gradient
     stapo.train(stapo.get_args(argv + ["--steps", "2"]))
     run(argv + ["--steps", "3", "--resume"], nproc=2)
     m = metrics_of(tmp_path / "run")
     assert [x["step"] for x in m] == [1, 2, 3] and all(x["grad_norm"] > 0 for x in m)
-    before = AutoModelForCausalLM.from_pretrained(tmp_path / "tied")
+    before = AutoModelForCausalLM.from_pretrained(tmp_path / "tied" / "model")
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "model")
     assert after.lm_head.weight is after.model.embed_tokens.weight
     assert not torch.allclose(after.lm_head.weight, before.lm_head.weight)

@@ -1,0 +1,134 @@
+"""analysis.py: the paper's token-level view of training (stapo.py --analysis), not part of its algorithm: it
+measures each mini-batch and changes nothing. Per token: the norm of the gradient the loss applies to its
+logits (and the one it would apply were S2T's set kept), the policy-gradient norm and the entropy change of
+the paper's identity and lemma; per step, each set's share of the gradient and the eight groups' means.
+"""
+import math
+
+import torch
+
+# The taxonomy's eight groups: the sign of A, p below or above tau_p, H below or above S2T's tau_h. The four
+# posA groups are the late paper's (posA_lowP_lowH is the set S2T silences); with the four negA groups they
+# are the early version's eight.
+GROUPS = [f"{a}A_{p}P_{h}H" for a in ("pos", "neg") for p in ("low", "high") for h in ("low", "high")]
+SPURIOUS = "posA_lowP_lowH"
+SHARES = ("silenced", "candidates_kept", "rest")
+
+
+def loss_token_weight(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high=0.28, clip_c=10.0,
+                      max_log_ratio=20.0):
+    """d stapo_loss / d logp of each token (paper: the token's term of grad J_STAPO), for the same arguments:
+    the loss's gradient on the token's logits is this weight times (e_y - pi) / T. No graph.
+        -A * ratio * keep / num_tokens   where the unclipped term is the live one:
+                                           A > 0 and ratio <= 1 + eps_high            (clip-higher)
+                                           A < 0 and 1 - eps_low <= ratio <= clip_c   (clip, dual clip)
+                                           and |log ratio| <= max_log_ratio           (the clamp)
+        0                                elsewhere: a clip or the clamp holds the term, A = 0, keep = 0
+    """
+    adv = (adv if adv.dim() == logp.dim() else adv[:, None]).float().expand_as(logp)
+    log_ratio = logp.detach().float() - old_logp.detach().float()
+    ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio).exp()
+    upper = torch.where(adv > 0, 1 + eps_high, math.inf if clip_c is None else clip_c)
+    lower = torch.where(adv > 0, 0.0, 1 - eps_low)
+    live = (keep > 0) & (ratio >= lower) & (ratio <= upper) & (log_ratio.abs() <= max_log_ratio)
+    n = float(keep.sum() if num_tokens is None else num_tokens)
+    return torch.where(live, -adv * ratio * keep / n, 0.0) if n > 0 else torch.zeros_like(ratio)
+
+
+def logit_gradient_norm(logp, collision, weight, temperature=1.0):
+    """||d (w log pi_y) / d a|| of each token, a its logits, pi = softmax(a / T) (the paper's identity, with
+    w = A): ||grad||^2 = w^2 (1 - 2 pi_y + sum_n pi_n^2) / T^2, sum pi^2 >= exp(-H). With w the loss's own
+    weight (loss_token_weight) it is the norm of the gradient the loss applies there."""
+    return weight.abs() / temperature * (1 - 2 * logp.exp() + collision).clamp(min=0).sqrt()
+
+
+def entropy_change(logp, entropy, weight):
+    """The paper's lemma: the first-order change of H at a token's position under a natural-gradient step,
+    logit_y += eta * w (w = A in the paper), per unit eta: dH = -w pi_y (log pi_y + H). (A plain gradient
+    step on the logits, a += eta * w (e_y - pi), changes H by -eta w (pi_y (log pi_y + H) - sum_n pi_n^2
+    (log pi_n + H)) instead; BAPO's form carries a factor 1 - pi_y.)"""
+    return -weight * logp.exp() * (logp + entropy)
+
+
+
+def token_groups(low_p, adv, entropy, valid, tau_h):
+    """{group: bool mask [N, T]} of the valid tokens with A != 0, H split at tau_h (S2T's threshold of the
+    mini-batch); with low_p = p < tau_p, the SPURIOUS group is exactly s2t_mask's silenced set."""
+    low_h = entropy < tau_h
+    masks = [s & p & h for s in (adv > 0, adv < 0) for p in (low_p, ~low_p) for h in (low_h, ~low_h)]
+    return {g: m & valid for g, m in zip(GROUPS, masks)}
+
+
+def analyse(analysis, logp, stats, s2t, mb, batch, w=None):
+    """One mini-batch into `analysis` (a TokenAnalysis): the norm of the gradient the loss applies to each
+    token's logits, and of the one it would apply with S2T's set kept (under stapo, every valid token back at
+    its weight); each token's policy-gradient norm and entropy change (the paper's identity and lemma, with
+    w = ratio * A, before the clips and S2T). mb: the mini-batch's idx, keep and denom; w: --rollout-is's
+    weights (None: off), already in mb.keep."""
+    ent, collision = stats.unbind(-1)
+    old, valid = batch.old_logp[mb.idx], batch.valid[mb.idx]
+    adv = batch.adv[mb.idx, None].expand_as(logp)
+    unsilenced = mb.keep if analysis.method != "stapo" else valid.float() if w is None else valid * w
+    norm = lambda w: logit_gradient_norm(logp, collision, w, analysis.temperature)  # noqa: E731
+    applied, if_kept = (loss_token_weight(logp, old, adv, k, mb.denom, *analysis.clip) for k in (mb.keep, unsilenced))
+    weight = (logp - old).exp() * adv  # ratio * A
+    tokens = (norm(applied), norm(if_kept), norm(weight), entropy_change(logp, ent, weight))
+    analysis.add(s2t, logp.exp() < analysis.tau_p, adv, valid, tokens)
+
+
+class TokenAnalysis:
+    """A step's token-level view, as sums over this rank's tokens (metrics.StepMetrics sums them over ranks and
+    asks row() for the metrics). Each mini-batch adds (analyse):
+      - each set's sum of ||grad_a||^2 under the gradient the loss applies (S2T's silenced set, its other
+        candidates, the rest), and the silenced set's sum under the gradient it would get if kept;
+      - the eight groups' token counts, sums of the policy-gradient norm and of the entropy change, in the
+        mini-batches where S2T has a tau_h. With no candidate on any rank there is no tau_h to split H at:
+        the mini-batch is left out of the groups, and `taxonomy/split` says how much was split.
+    method, clip (eps_low, eps_high, clip_c), tau_p, temperature: the run's, as the loss uses them."""
+
+    def __init__(self, method, clip, tau_p, temperature):
+        self.method, self.clip, self.tau_p, self.temperature = method, clip, tau_p, temperature
+        keys = [*[f"g2/{k}" for k in SHARES], "g2/silenced_if_kept", "nonzero", "split"]
+        self.sums = dict.fromkeys(keys + [f"{g}/{k}" for g in GROUPS for k in ("n", "norm", "dH")], 0.0)
+
+    def add(self, s2t, low_p, adv, valid, tokens):
+        """tokens: [N, T] norms of the applied gradient, of the gradient were S2T's set kept, of the
+        policy-gradient term (w = ratio * A), and the entropy change."""
+        applied, if_kept, norm, change = tokens
+        silenced, candidates = s2t["silenced"], s2t["candidates"]
+        parts = [silenced, candidates & ~silenced, valid & ~candidates]
+        add = {f"g2/{k}": applied[m].square().sum() for k, m in zip(SHARES, parts)}
+        add["g2/silenced_if_kept"] = if_kept[silenced].square().sum()
+        add["nonzero"] = (valid & (adv != 0)).sum()
+        if s2t["tau_h"] is not None:
+            add["split"] = add["nonzero"]
+            for g, m in token_groups(low_p, adv, s2t["entropy"], valid, s2t["tau_h"]).items():
+                add.update({f"{g}/n": m.sum(), f"{g}/norm": norm[m].sum(), f"{g}/dH": change[m].sum()})
+        for key, value in add.items():
+            self.sums[key] += float(value)
+
+    @staticmethod
+    def row(n):
+        """The step's metrics from its sums over ranks: shares_row and taxonomy_row."""
+        return {**shares_row(n), **taxonomy_row(n)}
+
+
+def shares_row(n):
+    """Each set's share of sum ||grad_a||^2 as the loss applies it; and the silenced set's share were it kept
+    (the same loss, those tokens given back their weight)."""
+    total = sum(n[f"g2/{k}"] for k in SHARES)
+    row = {f"grad_share/{k}": n[f"g2/{k}"] / total if total else None for k in SHARES}
+    if_kept = total - n["g2/silenced"] + n["g2/silenced_if_kept"]
+    row["grad_share/silenced_if_kept"] = n["g2/silenced_if_kept"] / if_kept if if_kept else None
+    return row
+
+
+def taxonomy_row(n):
+    """Each group's share of the split tokens, mean policy-gradient norm and mean entropy change."""
+    row, tokens = {"taxonomy/split": n["split"] / n["nonzero"] if n["nonzero"] else 0.0}, n["split"]
+    for g in GROUPS:
+        k = n[f"{g}/n"]
+        row[f"taxonomy/{g}/tokens"] = k / tokens if tokens else 0.0
+        row[f"taxonomy/{g}/grad_norm"] = n[f"{g}/norm"] / k if k else None
+        row[f"taxonomy/{g}/dH"] = n[f"{g}/dH"] / k if k else None
+    return row

@@ -1,0 +1,128 @@
+"""stapo_core.py: the STAPO paper (arXiv 2602.15620) as pure functions. It imports only torch: copy this file
+into your own trainer (TRL, verl, your own). stapo.py runs it with FSDP2; head.py computes the log-probs and
+entropies it needs without the full logits.
+
+The paper's recipe is JustRL's (GRPO group advantages, clip-higher, dual clip, token-mean loss, no KL, no
+entropy bonus) plus the S2T mask, which silences the rare "spurious" tokens: tokens of correct answers (A > 0)
+that the policy gave a low probability (p < tau_p) at a low-entropy position (H < tau_h).
+"""
+import torch
+
+
+def group_advantages(rewards, group_size, eps=1e-6):
+    """GRPO advantages (paper: group-normalised advantage A_i = (r_i - mean(r)) / (std(r) + eps)).
+
+    rewards: [N], rows k*G .. k*G+G-1 are the G samples of prompt k. std is the unbiased torch.std.
+    A group whose rewards are all equal gets exactly A = 0 (it carries no learning signal).
+    """
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 (one sample has no std), got {group_size}")
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be [N] with N a multiple of group_size={group_size}, "
+                         f"got {tuple(rewards.shape)}")
+    r = rewards.float().view(-1, group_size)
+    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
+    return adv.masked_fill((r == r[:, :1]).all(1, keepdim=True), 0.0).view(-1)
+
+
+def quantile(x, q):
+    """torch.quantile(x, q) with linear interpolation, in x's own precision and for any length
+    (torch.quantile refuses more than 2**24 values, and a float64 threshold must stay float64)."""
+    if x.numel() == 0:
+        raise ValueError("quantile of an empty tensor")
+    s = x.flatten().sort().values
+    pos = q * (s.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, s.numel() - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def s2t_candidates(logp, adv, valid, tau_p=0.002):
+    """S2T's candidates: valid & (A > 0) & (p < tau_p), a bool [N, T]. adv: [N], [N, 1] or [N, T].
+    A fresh or tiny model makes many: p ~ 1/V is already below tau_p for any V > 500."""
+    adv = adv if adv.dim() == logp.dim() else adv[:, None]
+    return valid.bool() & (adv > 0) & (logp.exp() < tau_p)
+
+
+def s2t_threshold(candidate_entropies, q=0.75):
+    """tau_h, the q-quantile of the candidates' entropies (pass every rank's, gathered, for one
+    threshold over a data-parallel mini-batch); None when there are no candidates anywhere."""
+    if candidate_entropies.numel() == 0:
+        return None
+    return quantile(candidate_entropies, q)
+
+
+def s2t_mask(logp, entropy, adv, valid, tau_p=0.002, q=0.75, tau_h=None):
+    """The S2T mask (paper: Silencing Spurious Tokens, M_{i,t}). A bool [N, T], True = silenced.
+
+    logp, entropy: [N, T] log-prob of each sampled token and the full-vocabulary entropy (nats) of
+    the policy at that position, both detached. adv: [N], [N, 1] or [N, T]. valid: [N, T] mask.
+        candidates C = valid & (A > 0) & (p < tau_p)            s2t_candidates
+        tau_h = q-quantile of H over C      (linear interpolation, in H's precision; s2t_threshold)
+        silenced = C & (H < tau_h)          (no candidate: nothing silenced)
+    A given tau_h overrides the quantile. Data-parallel, one threshold over every rank's tokens:
+        h = entropy[s2t_candidates(logp, adv, valid, tau_p)]      # this rank's candidates
+        tau_h = s2t_threshold(all_gather_cat(h), q)              # your framework's gather
+        silenced = s2t_mask(logp, entropy, adv, valid, tau_p, q, tau_h)
+    """
+    candidates = s2t_candidates(logp, adv, valid, tau_p)
+    if tau_h is None:
+        tau_h = s2t_threshold(entropy[candidates], q)
+    if tau_h is None:
+        return candidates
+    return candidates & (entropy < tau_h)
+
+
+def stapo_loss(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high=0.28, clip_c=10.0,
+               max_log_ratio=20.0):
+    """The STAPO objective (paper: J_STAPO), as a loss to minimise. Returns (loss, stats).
+
+    Shapes: logp, old_logp, keep are [N, T] (padded batch) or [M] (packed tokens); adv is [N],
+    [N, 1] or [N, T] for a padded batch, [M] for packed tokens. logp carries the gradient; old_logp
+    and adv are constants (detached here). Inputs of any float dtype are computed in float32.
+        ratio = exp(clamp(logp - old_logp, +-max_log_ratio))   (verl clamps at 20: no inf, no NaN)
+        l = max(-ratio * A, -clip(ratio, 1 - eps_low, 1 + eps_high) * A)
+        l = min(l, -clip_c * A) where A < 0                    (dual clip, verl's; None: off)
+        loss = sum(l * keep) / num_tokens                      (num_tokens defaults to keep.sum())
+    keep = valid & ~silenced (bool or 0/1), so the loss is renormalised over the tokens neither
+    padded nor silenced; a float keep is a weight (GRPO's 1/|o_i|, whose sum is the number of
+    sequences). Silenced and padded tokens get exactly zero gradient; num_tokens = 0 gives 0.
+    With keep = valid, clip_c=None and max_log_ratio=float("inf") this is exactly DAPO's
+    token-mean loss (TRL's loss_type="dapo"); the dual clip and the clamp change only A < 0 tokens
+    with ratio > clip_c, and log-ratios beyond +-20.
+    The contract, for a trainer of your own:
+      - p and H (s2t_mask's inputs) come from the policy of this optimizer step, for the step's
+        whole batch on all ranks, before its first backward; under gradient accumulation that is
+        one no-grad forward over the batch (exact when the policy moves once per batch).
+      - num_tokens is the kept count of the whole optimizer step on all ranks, the same number for
+        every micro-batch of it (gradient accumulation must not divide again).
+      - Data parallel: a wrapper that averages gradients over W ranks (DDP, FSDP, accelerate, TRL)
+        needs num_tokens = global kept / W, or the loss multiplied by W (what stapo.py does).
+    """
+    if logp.dim() not in (1, 2) or old_logp.shape != logp.shape or keep.shape != logp.shape:
+        raise ValueError(f"stapo_loss: logp, old_logp, keep must share one shape [N, T] or [M]; "
+                         f"got {tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(keep.shape)}")
+    per_row = logp.dim() == 2 and adv.shape in (logp.shape[:1], (logp.shape[0], 1))
+    if adv.shape != logp.shape and not per_row:
+        raise ValueError(f"stapo_loss: adv must be [N], [N, 1] or [N, T] (padded logp), [M] (packed "
+                         f"logp); got adv {tuple(adv.shape)} for logp {tuple(logp.shape)}")
+    adv = adv.detach().float()
+    adv = (adv if adv.dim() == logp.dim() else adv[:, None]).expand_as(logp)
+    kept = keep > 0
+    log_ratio = (logp.float() - old_logp.detach().float()).clamp(-max_log_ratio, max_log_ratio)
+    ratio = torch.where(kept, log_ratio, 0.0).exp()
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    per_token = torch.maximum(-ratio * adv, -clipped * adv)
+    if clip_c is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -clip_c * adv), per_token)
+    per_token = torch.where(kept, per_token, 0.0) * keep
+    n = float(keep.sum() if num_tokens is None else num_tokens)
+    if n < 0:
+        raise ValueError(f"stapo_loss: num_tokens must be >= 0, got {n}")
+    loss = per_token.sum() / n if n > 0 else per_token.sum() * 0.0
+    with torch.no_grad():
+        k = max(int(kept.sum()), 1)
+        stats = {"clip_low": float((kept & (adv < 0) & (ratio < 1 - eps_low)).sum()) / k,
+                 "clip_high": float((kept & (adv > 0) & (ratio > 1 + eps_high)).sum()) / k,
+                 "kept": int(kept.sum())}
+    return loss, stats
