@@ -25,8 +25,11 @@ for all of its micro-batches, before its first backward:
 So S2T runs once per optimizer step on the current policy, as stapo.py does once per mini-batch, with any
 num_iterations and steps_per_generation (TRL then supplies the sampling policy's old log-probs).
 
-With tau_p = 0 (nothing silenced), clip_c=None and max_log_ratio=inf this is TRL's loss_type="dapo",
-values and gradients (tests/test_trl.py); clip_c = c is TRL's delta = c whenever c >= 1 + epsilon_high.
+With tau_p = 0 (nothing silenced), clip_c=None and max_log_ratio=inf this is TRL 1.16.0's own
+GRPOTrainer with loss_type="dapo", every loss and gradient of an optimizer step (tests/test_trl.py), when
+steps_per_generation = gradient_accumulation_steps (TRL's default). With a larger multiple, one generation
+batch feeds several steps: TRL divides each by the batch's mean tokens per step, this by the step's own count
+(DAPO's token mean; S2T needs the step's kept count). clip_c = c is TRL's delta = c whenever c >= 1 + epsilon_high.
 
 It refuses (ValueError), rather than silently drop, what TRL would add to the loss or its mask:
     loss_type != "dapo"                the step's token count is dapo's normaliser (TRL's default)
