@@ -2,17 +2,14 @@
 
 The trainer and eval.py speak to an engine through four calls:
     engine.generate(prompts, n, temperature, top_p, max_tokens, seeds, progress=False, logprobs=True)
-        -> [[Sample] * n for each prompt]; sample j of the prompt seeded s draws from seed s + j;
-        logprobs=False: an evaluation, which asks no engine for the sampler's log-probs
+        -> [[Sample] * n per prompt]; sample j of seed s draws from seed s + j; logprobs=False: no sampler's
     engine.load_weights(named_tensors)   # the weights changed: (HF name, full tensor) pairs, one at a time
     engine.logprobs_of(tokens)           # log p of tokens[1:] given their prefix: the sync's self-check
     engine.sleep()                       # rollout over: give the accelerator memory back to the trainer
 
-HFEngine decodes with a transformers model (CPU, tests, small runs); VLLMEngine is colocated vLLM 0.32
-(GPU, and vLLM's CPU build). Both follow vLLM's seeding rule, so a sample's noise depends on neither the batch
-nor the rank. Its logits do on a GPU: there a rollout is the same on any batch and any number of ranks only
-with VLLM_BATCH_INVARIANT=1 (deterministic, slower); on the CPU engines (the HF engine on CPU, vLLM's CPU
-build) it is, as tested.
+HFEngine decodes with a transformers model (CPU, tests, small runs); VLLMEngine is colocated vLLM 0.32 (GPU, and
+vLLM's CPU build). Both follow vLLM's seeding rule: a sample's noise depends on neither the batch nor the rank.
+Its logits do on a GPU, unless VLLM_BATCH_INVARIANT=1; on the CPU engines (HF on CPU, vLLM's CPU build) not.
 """
 import importlib.util
 import logging
@@ -141,15 +138,13 @@ class VLLMEngine:
             self.sleep()
 
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False, logprobs=True):
-        """No allowed_token_ids: the trainer's log-probs are over the whole embedding, padded rows
-        included, so the sampler must draw from that same distribution (and vLLM caps the list at 1,024).
-        The sampler's log-probs are asked for by a training engine's rollouts only, not with logprobs=False."""
+        """No allowed_token_ids: the trainer's log-probs are over the whole embedding, padded rows included, so
+        the sampler draws from all of it (vLLM caps the list at 1,024). logprobs=False: no sampler log-probs."""
         from vllm import SamplingParams
         if not prompts:
             return []
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=-1, max_tokens=max_tokens,
-                                 logprobs=self.logprobs if logprobs else None, seed=seed, detokenize=False)
-                  for seed in seeds]
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=-1, seed=s, max_tokens=max_tokens,
+                                 logprobs=self.logprobs if logprobs else None, detokenize=False) for s in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
         return [[vllm_sample(c) for c in out.outputs] for out in outs]
 
