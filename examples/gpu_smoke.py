@@ -162,13 +162,13 @@ def checks(run_dir, eval_dir):
     own = bool(pids.get("judge_pids")) and not set(pids["judge_pids"]) & set(pids["sampler_pids"])
     out.append(("the judge's engines in processes of their own", own,
                 f"judge processes {pids.get('judge_pids')}, sampling processes {pids.get('sampler_pids')}"))
-    print("  the trainer's peak memory by phase (GiB, peak_gb/*: metrics.memory_peak) in each run's second step; "
-          "a run's first step is left out: its rollout peak spans vLLM's start-up, its CUDA-graph capture and "
-          "the first sync")
-    for m in metrics:
-        if m["step"] in STEADY:
-            peaks = {k[8:]: round(v, 2) for k, v in m.items() if k.startswith("peak_gb/")}
-            print(f"  step {m['step']} ({STEADY[m['step']]}): {peaks}")
+    steady = [m for m in metrics if m["step"] in STEADY]
+    if steady:
+        print("  the trainer's peak memory by phase (GiB, peak_gb/*), from each run's second step (a first step's "
+              "rollout peak spans vLLM's start-up, its CUDA-graph capture and the first sync):")
+    for m in steady:
+        peaks = {k[8:]: round(v, 2) for k, v in m.items() if k.startswith("peak_gb/")}
+        print(f"    step {m['step']}, {STEADY[m['step']]}: {peaks}")
     for m in metrics:
         print(f"  step {m['step']}: probe gap mean {m['sync_probe_gap_mean']:.2e} max {m['sync_probe_gap']:.2e}, "
               f"sampler gap mean {m['logprob_gap_mean'] or 0:.2e} max {m['logprob_gap_max'] or 0:.2e}")
