@@ -1,6 +1,6 @@
 """examples/trl_stapo.py (STAPO as a TRL 1.16.0 GRPOTrainer) against TRL's own dapo loss and its own
-GRPOTrainer (the pinned TRL, requirements-dev.txt), against an
-independent S2T mask, two processes against one, and gradient accumulation against none. Offline: a tiny
+GRPOTrainer (the pinned TRL, requirements-dev.txt), against an independent S2T mask, two processes against
+one, and gradient accumulation against none. Offline: a tiny
 Qwen3 built here; TRL's sampling is replaced by a deterministic one (tests/trl_check.py) except in the
 command-line test. fp32 and plain SGD, so a wrong gradient scale shows in the parameters."""
 import json, math, os, subprocess, sys
