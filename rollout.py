@@ -1,15 +1,15 @@
 """rollout.py: the engines. Prompts in, samples out, and the trainer's weights in after every step.
 
 The trainer and eval.py speak to an engine through four calls:
-    engine.generate(prompts, n, temperature, top_p, max_tokens, seeds, progress=False)
-        -> [[Sample] * n for each prompt]; sample j of the prompt seeded s draws from seed s + j
+    engine.generate(prompts, n, temperature, top_p, max_tokens, seeds, progress=False, logprobs=True)
+        -> [[Sample] * n per prompt]; sample j of seed s draws from seed s + j; logprobs=False: no sampler's
     engine.load_weights(named_tensors)   # the weights changed: (HF name, full tensor) pairs, one at a time
     engine.logprobs_of(tokens)           # log p of tokens[1:] given their prefix: the sync's self-check
     engine.sleep()                       # rollout over: give the accelerator memory back to the trainer
 
-HFEngine decodes with a transformers model (CPU, tests, small runs); VLLMEngine is colocated vLLM 0.32
-(GPU, and vLLM's CPU build). Both follow vLLM's seeding rule, so a rollout depends on neither the batch nor
-the rank.
+HFEngine decodes with a transformers model (CPU, tests, small runs); VLLMEngine is colocated vLLM 0.32 (GPU, and
+vLLM's CPU build). Both follow vLLM's seeding rule: a sample's noise depends on neither the batch nor the rank.
+Its logits do on a GPU, unless VLLM_BATCH_INVARIANT=1; on the CPU engines (HF on CPU, vLLM's CPU build) not.
 """
 import importlib.util
 import logging
@@ -54,11 +54,11 @@ class HFEngine:
         self.device, self.dtype = device, dtype
 
     @torch.inference_mode()  # no autograd bookkeeping at all: a tenth of a small model's decode step
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False, logprobs=True):
         """All prompts in one left-padded batch, decoded token by token with a KV cache (HF `generate`'s
         per-token bookkeeping costs more than this tiny model's forward). Sample j of the prompt seeded s
         draws its t-th token with the t-th uniform of its own generator seeded s + j (sample_token), so
-        what it samples does not depend on what else is in the batch."""
+        what it samples does not depend on what else is in the batch. It reports no sampler log-probs."""
         rows = [p for p in prompts for _ in range(n)]
         if not rows:
             return []
@@ -137,14 +137,14 @@ class VLLMEngine:
         if for_training:  # its dummy weights wait for the first sync
             self.sleep()
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
-        """No allowed_token_ids: the trainer's log-probs are over the whole embedding, padded rows
-        included, so the sampler must draw from that same distribution (and vLLM caps the list at 1,024)."""
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False, logprobs=True):
+        """No allowed_token_ids: the trainer's log-probs are over the whole embedding, padded rows included, so
+        the sampler draws from all of it (vLLM caps the list at 1,024). logprobs=False: no sampler log-probs."""
         from vllm import SamplingParams
         if not prompts:
             return []
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=-1, max_tokens=max_tokens,
-                                 logprobs=self.logprobs, seed=seed, detokenize=False) for seed in seeds]
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=-1, seed=s, max_tokens=max_tokens,
+                                 logprobs=self.logprobs if logprobs else None, detokenize=False) for s in seeds]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
         return [[vllm_sample(c) for c in out.outputs] for out in outs]
 

@@ -11,7 +11,8 @@ It runs the real commands, each in its own processes, on a few arithmetic proble
   3. eval.py --judge, with the model judging itself: each rank's judge engine in a process of its own (vLLM
      keeps process-wide state for one engine), on samples one of whose golds nothing matches.
 It prints one PASS/FAIL line per item, the peak memory of each phase (the GPUs' used memory, polled with
-nvidia-smi, all processes; on CPU the processes' resident set), the trainer's own peaks (peak_gb/*), and
+nvidia-smi, all processes; on CPU the processes' resident set), the trainer's own peaks (peak_gb/*) from
+each run's second step (steps 2 and 4: a first step's rollout peak holds vLLM's start-up), and
 "smoke: N passed, M failed". On CPU it runs too, with vLLM's CPU build and a tiny model: that is how the
 tests run it (--engine vllm --dtype bf16 ...).
 """
@@ -127,6 +128,9 @@ def main(argv=None):
     return len(results) - passed
 
 
+STEADY = {2: "the first run's second step, 1 rank", 4: "the resumed run's second step"}  # steps 1, 3: start-ups
+
+
 def checks(run_dir, eval_dir):
     """What the logs must show, item by item."""
     import stapo
@@ -158,9 +162,13 @@ def checks(run_dir, eval_dir):
     own = bool(pids.get("judge_pids")) and not set(pids["judge_pids"]) & set(pids["sampler_pids"])
     out.append(("the judge's engines in processes of their own", own,
                 f"judge processes {pids.get('judge_pids')}, sampling processes {pids.get('sampler_pids')}"))
-    for m in metrics[:1]:
+    steady = [m for m in metrics if m["step"] in STEADY]
+    if steady:
+        print("  the trainer's peak memory by phase (GiB, peak_gb/*), from each run's second step (a first step's "
+              "rollout peak spans vLLM's start-up, its CUDA-graph capture and the first sync):")
+    for m in steady:
         peaks = {k[8:]: round(v, 2) for k, v in m.items() if k.startswith("peak_gb/")}
-        print(f"  the trainer's peak memory by phase, step 1 (GiB, peak_gb/*: metrics.memory_peak): {peaks}")
+        print(f"    step {m['step']}, {STEADY[m['step']]}: {peaks}")
     for m in metrics:
         print(f"  step {m['step']}: probe gap mean {m['sync_probe_gap_mean']:.2e} max {m['sync_probe_gap']:.2e}, "
               f"sampler gap mean {m['logprob_gap_mean'] or 0:.2e} max {m['logprob_gap_max'] or 0:.2e}")

@@ -10,7 +10,7 @@ dataset is a .json/.jsonl file or a Hub name with "prompt" and "answer" columns;
 last \\boxed{...} of the completion is the answer, else -1. Pass --epsilon_high 0.28: TRL's default is
 epsilon_high = epsilon = 0.2, the paper's recipe (JustRL's) clips higher.
 
-From this project it takes only the pure functions at the top of stapo.py (a user pastes that block); TRL
+From this project it takes only stapo_core.py, the paper's pure functions (a user copies that file); TRL
 does the rest: sampling, rewards, group advantages, per-token log p and entropy at the sampling
 temperature, the completion (and tool) mask, old log-probs, the optimizer loop.
 
@@ -25,8 +25,11 @@ for all of its micro-batches, before its first backward:
 So S2T runs once per optimizer step on the current policy, as stapo.py does once per mini-batch, with any
 num_iterations and steps_per_generation (TRL then supplies the sampling policy's old log-probs).
 
-With tau_p = 0 (nothing silenced), clip_c=None and max_log_ratio=inf this is TRL's loss_type="dapo",
-values and gradients (tests/test_trl.py); clip_c = c is TRL's delta = c whenever c >= 1 + epsilon_high.
+With tau_p = 0 (nothing silenced), clip_c=None and max_log_ratio=inf this is TRL 1.16.0's own
+GRPOTrainer with loss_type="dapo", every loss and gradient of an optimizer step (tests/test_trl.py), when
+steps_per_generation = gradient_accumulation_steps (TRL's default). With a larger multiple, one generation
+batch feeds several steps: TRL divides each by the batch's mean tokens per step, this by the step's own count
+(DAPO's token mean; S2T needs the step's kept count). clip_c = c is TRL's delta = c whenever c >= 1 + epsilon_high.
 
 It refuses (ValueError), rather than silently drop, what TRL would add to the loss or its mask:
     loss_type != "dapo"                the step's token count is dapo's normaliser (TRL's default)
@@ -44,7 +47,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from stapo_core import s2t_candidates, s2t_mask, s2t_threshold, stapo_loss  # noqa: E402  the copied block
+from stapo_core import s2t_candidates, s2t_mask, s2t_threshold, stapo_loss  # noqa: E402  the copied file
 
 MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
            "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")  # vision

@@ -1,5 +1,6 @@
-"""examples/trl_stapo.py (STAPO as a TRL 1.16 GRPOTrainer) against TRL's own dapo loss, against an
-independent S2T mask, two processes against one, and gradient accumulation against none. Offline: a tiny
+"""examples/trl_stapo.py (STAPO as a TRL 1.16.0 GRPOTrainer) against TRL's own dapo loss and its own
+GRPOTrainer (the pinned TRL, requirements-dev.txt), against an independent S2T mask, two processes against
+one, and gradient accumulation against none. Offline: a tiny
 Qwen3 built here; TRL's sampling is replaced by a deterministic one (tests/trl_check.py) except in the
 command-line test. fp32 and plain SGD, so a wrong gradient scale shows in the parameters."""
 import json, math, os, subprocess, sys
@@ -82,6 +83,97 @@ def test_nothing_silenced_and_no_dual_clip_is_trls_dapo_loss(folder):
     trainer.args.delta = 10.0
     trl_delta, _ = loss_and_grads(GRPOTrainer._compute_loss, trainer, batch)
     torch.testing.assert_close(capped, trl_delta, rtol=1e-6, atol=0)
+
+
+OFF = dict(tau_p=0.0, clip_c=None, max_log_ratio=math.inf)  # S2T silences nothing (p < 0), no dual clip, no clamp
+
+
+def test_the_pinned_trl_is_the_one_installed():
+    """The equality tests below hold for the TRL that requirements-dev.txt pins (the README names it)."""
+    import trl
+    pins = [x.split("==")[1].strip() for x in open(os.path.join(ROOT, "requirements-dev.txt"))
+            if x.startswith("trl==")]
+    assert pins == [trl.__version__] == ["1.16.0"]
+
+
+def parent_and_child(folder, tmp_path, ga=1, **config_kw):
+    """TRL's own GRPOTrainer with loss_type="dapo", and the subclass with S2T off: two trainers, two models
+    loaded from folder, one GRPOConfig."""
+    parent = trl_check.trainer(folder, str(tmp_path / "parent"), ga=ga, cls=GRPOTrainer, loss_type="dapo",
+                               **config_kw)
+    child = trl_check.trainer(folder, str(tmp_path / "child"), ga=ga, trainer_kw=OFF, loss_type="dapo",
+                              **config_kw)
+    assert type(parent).__mro__[1] is GRPOTrainer and isinstance(child, STAPOTrainer)
+    return parent, child
+
+
+def optimizer_step(trainer, rows, noise=None):
+    """One optimizer step through TRL's own path: _prepare_inputs generates the generation batch `rows`,
+    shuffles and splits it into steps_per_generation micro-batches (the subclass runs S2T over the step there),
+    then each of the step's micro-batches gets _compute_loss and backward. noise: the old log-probs are the
+    policy's plus N(0, noise), drawn from a fixed seed (the same in both trainers), so clipping is active.
+    Returns (each micro-batch's loss, its valid tokens, {name: the step's gradient})."""
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = ga = trainer.args.gradient_accumulation_steps
+    losses, counts = [], []
+    for j in range(ga):
+        torch.manual_seed(0)  # TRL shuffles the generation batch before it splits it
+        inputs = trainer._prepare_inputs(rows)
+        if noise is not None and j == 0:
+            g = torch.Generator().manual_seed(1)
+            for b in trainer._buffered_inputs:
+                with torch.no_grad():
+                    logp, _ = STAPOTrainer._logps_and_entropies(trainer, trainer.model, b)
+                b["old_per_token_logps"] = logp + torch.randn(logp.shape, generator=g) * noise
+        loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        losses.append(loss.detach())
+        counts.append(int(inputs["completion_mask"].sum()))
+        trainer._step += 1
+    return losses, counts, {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize("ga,config_kw", [(1, {}), (2, dict(epsilon=0.1, epsilon_high=0.5, temperature=0.7))])
+def test_an_optimizer_step_equals_trls_own_grpo_trainer_with_dapo(folder, tmp_path, ga, config_kw):
+    """Against the parent itself: TRL 1.16.0's GRPOTrainer(loss_type="dapo") and STAPOTrainer with S2T off
+    (tau_p=0, clip_c=None, max_log_ratio=inf), separate trainers on one GRPOConfig, one optimizer step of TRL's
+    own path on the same generation batch (4 prompts x G): every micro-batch's loss and every named parameter's
+    gradient are equal, float32, on policy and off it (old log p + N(0, 0.3), N(0, 3): both clips and e^9
+    ratios). ga = 2 also moves epsilon, epsilon_high and the temperature off their defaults: a subclass that
+    dropped one of them, or divided a micro-batch by its own tokens instead of the step's (TRL divides by
+    num_items_in_batch / W * ga / steps_per_generation), fails here (both were checked to)."""
+    rows = [r for r in (json.loads(x) for x in open(os.path.join(folder, "data.jsonl")))
+            for _ in range(trl_check.G)][:trl_check.PROMPTS_PER_STEP * trl_check.G]
+    for noise in (None, 0.3, 3.0):
+        parent, child = parent_and_child(folder, tmp_path, ga, **config_kw)
+        want, counts, want_grads = optimizer_step(parent, rows, noise)
+        got, _, got_grads = optimizer_step(child, rows, noise)
+        assert len(counts) == ga and (ga == 1 or counts[0] != counts[1])  # micro-batches of unequal length
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+        assert want_grads.keys() == got_grads.keys() and len(want_grads) == len(list(parent.model.parameters()))
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+        assert max(grad.abs().max() for grad in want_grads.values()) > 1e-3
+
+
+def test_where_trls_normaliser_differs_steps_per_generation_a_multiple(folder, tmp_path):
+    """The one setting where the subclass is not TRL's dapo: steps_per_generation = 2 x the accumulation, so a
+    generation batch feeds two optimizer steps. TRL divides each by num_items_in_batch x ga / steps_per_generation
+    (the generation batch's mean tokens per step); the subclass by the step's own count, DAPO's token mean (and
+    what S2T needs: its kept count). So each step's loss and gradient are TRL's times mean / own count, exactly."""
+    rows = [r for r in (json.loads(x) for x in open(os.path.join(folder, "data.jsonl")))
+            for _ in range(trl_check.G)][:2 * trl_check.PROMPTS_PER_STEP * trl_check.G]
+    parent, child = parent_and_child(folder, tmp_path, steps_per_generation=2)
+    for _ in range(2):
+        (want,), (count,), want_grads = optimizer_step(parent, rows)
+        (got,), _, got_grads = optimizer_step(child, rows)
+        mean = sum(int(b["completion_mask"].sum()) for b in parent._buffered_inputs) / 2
+        assert count != mean
+        torch.testing.assert_close(got, want * mean / count, rtol=1e-5, atol=0)
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(got_grads[name], grad * mean / count, rtol=1e-5, atol=1e-7)
 
 
 def test_silenced_tokens_get_zero_gradient_and_the_loss_is_renormalised(folder):
@@ -167,7 +259,12 @@ def test_the_script_trains_a_step_from_the_command_line(folder, tmp_path, monkey
 
 
 @pytest.mark.parametrize("setting", [dict(beta=0.04), dict(top_entropy_quantile=0.2), dict(loss_type="grpo"),
-                                     dict(ga=2, steps_per_generation=3)])
+                                     dict(ga=2, steps_per_generation=3), dict(importance_sampling_level="sequence"),
+                                     dict(delta=3.0), dict(off_policy_mask_threshold=0.5), dict(entropy_coef=0.01),
+                                     dict(use_adaptive_entropy=True)])
 def test_settings_it_cannot_honour_are_refused(folder, tmp_path, setting):
+    """Each GRPOConfig option that TRL 1.16's _compute_loss applies to a dapo loss and stapo_loss has not is
+    refused, not dropped (the options it honours, epsilon, epsilon_high and the temperature, are in the equality
+    test above; vLLM's importance-sampling correction needs a vLLM server, and is refused by the same check)."""
     with pytest.raises(ValueError, match="STAPOTrainer cannot honour"):
         trl_check.trainer(folder, str(tmp_path), **setting)

@@ -189,6 +189,43 @@ def test_gpu_path_sleeps_frees_then_wakes_in_order(tiny, fake_vllm):
     assert len(groups) == 4 and groups[0].logprobs == [-0.5, -0.25]
 
 
+def test_only_the_training_rollout_asks_for_the_samplers_logprobs(tiny, fake_vllm):
+    """A training engine's rollout asks vLLM for the sampler's log-probs (--rollout-is weighs with them); the
+    same engine asked with logprobs=False (an evaluation through it, --eval-every) and an evaluation engine
+    (eval.py's) do not. Breaks if generate ignored its logprobs argument, or an eval engine asked for them."""
+    d, tok = tiny
+    engine = rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55)
+    engine.load_weights(iter([("a.weight", torch.zeros(2))]))
+    asked = lambda: [c[2][0]["logprobs"] for c in fake_vllm.CALLS if c[0] == "generate"][-1]  # noqa: E731
+    (groups,) = engine.generate([[5, 6, 7]], 2, 1.0, 1.0, 6, [123])
+    assert asked() == 0 and groups[0].logprobs == [-0.5, -0.25]
+    engine.generate([[5, 6, 7]], 2, 1.0, 1.0, 6, [123], logprobs=False)
+    assert asked() is None
+    fake_vllm.BUILT.clear()  # a process of its own, as eval.py is
+    rollout.ENGINE_PIDS.clear()
+    rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55, for_training=False).generate([[5]], 2, 1.0, 1.0, 6, [1])
+    assert asked() is None
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="eval.evaluate does not yet pass logprobs=False to engine.generate (a one-line change "
+                          "in eval.py); then this passes, and strict=True asks for this marker's removal")
+def test_eval_during_training_asks_no_samplers_logprobs(tiny, fake_vllm, tmp_path):
+    """--eval-every evaluates through the trainer's engine: eval.evaluate must pass logprobs=False, for it never
+    reads the sampler's log-probs (vLLM would compute and return one per sampled token)."""
+    import eval as ev
+    d, tok = tiny
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "math500.jsonl").write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i} + 1?",
+                                                            "answer": str(i + 1)}) + "\n" for i in range(2)))
+    engine = rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55)  # a training engine, as --eval-every's
+    engine.load_weights(iter([("a.weight", torch.zeros(2))]))
+    records = ev.evaluate(engine, tok, ["math500"], 2, 1.0, 1.0, 6, data_dir=str(data))
+    assert len(records) == 4
+    assert [p["logprobs"] for c in fake_vllm.CALLS if c[0] == "generate" for p in c[2]] == [None, None]
+
+
 def test_the_fake_enforces_the_real_limits(fake_vllm):
     with pytest.raises(ValueError, match="1024"):  # what allowed_token_ids=range(len(tok)) hit on Qwen3
         fake_vllm.SamplingParams(allowed_token_ids=list(range(151_669)))

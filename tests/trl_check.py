@@ -71,8 +71,8 @@ def config(out, world=1, ga=1, **kw):
     return GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS_PER_STEP * G // world // ga,
                       gradient_accumulation_steps=ga, num_generations=G, max_completion_length=T,
                       max_steps=STEPS, learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
-                      max_grad_norm=0.0, epsilon_high=0.28, use_cpu=True, bf16=False, report_to="none",
-                      save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, data_seed=0, **kw)
+                      max_grad_norm=0.0, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+                      logging_steps=1, disable_tqdm=True, seed=0, data_seed=0, **{"epsilon_high": 0.28, **kw})
 
 
 def dataset(folder):
