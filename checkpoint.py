@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 
@@ -113,21 +112,27 @@ class StopAtStepEnd:
             signal.signal(s, handler)
 
     def note(self, signum, frame):
+        """The handler: it records the signal and nothing else (a print here could itself be interrupted)."""
         if self.got and time.monotonic() - self.at >= 2:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)  # the second signal: the process dies of it, now
         if not self.got:
             self.got, self.at = signal.Signals(signum).name, time.monotonic()
-            print(f"stapo: {self.got}: stopping at the end of this step, with a checkpoint; a second signal "
-                  "stops at once", file=sys.stderr, flush=True)
+
+    def signalled(self):
+        """Whether any rank has recorded a signal (a signal may reach one rank alone)."""
+        return all_reduce_numbers(self.got is not None, op=dist.ReduceOp.MAX)[0] > 0
 
     def end_of_step(self, done, policy, opt, tok, rank):
         """After step `done`: its checkpoint, every save_every steps or when any rank got a signal; then,
         in the second case, the exit (non-zero, with the way to resume)."""
-        stop = all_reduce_numbers(self.got is not None, op=dist.ReduceOp.MAX)[0] > 0
-        if stop or self.save_every and done % self.save_every == 0:
+        stop = self.signalled()
+        saving = stop or self.save_every and done % self.save_every == 0
+        if saving:
             position = done * self.per_step if self.per_step else None
             save_checkpoint(self.out, done, policy, opt, tok, rank, self.keep, position)
+        if saving and not stop:  # a signal during the save: this step's checkpoint is whole, so stop now
+            stop = self.signalled()
         if stop:
             path = os.path.join(self.out, "ckpt", f"step_{done}")
             raise SystemExit(1 if rank else f"stapo: stopped by a signal after step {done}, checkpointed in "

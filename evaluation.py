@@ -124,7 +124,8 @@ def evaluate(engine, tok, names, opts, rank=0, world=1):
         problems, k = every[rank::world], opts.samples or BENCHMARKS[name][4]
         prompts = [encode_prompt(tok, p["problem"], opts.chat_template, opts.enable_thinking) for p in problems]
         seeds = [seed_of(opts.seed, i) for i in range(rank, len(every), world)]
-        outs = engine.generate(prompts, k, opts.temperature, opts.top_p, opts.max_tokens, seeds, progress=rank == 0)
+        outs = engine.generate(prompts, k, opts.temperature, opts.top_p, opts.max_tokens, seeds, progress=rank == 0,
+                               logprobs=False)  # the sampler's log-probs: never read here
         texts = [tok.decode(s.tokens, skip_special_tokens=True) for out in outs for s in out]
         golds = [p["answer"] for p in problems for _ in range(k)]
         answers = [(extract_answer if opts.unboxed else extract_boxed)(text) for text in texts]

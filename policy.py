@@ -74,6 +74,13 @@ def build_policy(path, mesh, device, dtype=torch.float32):
     return policy.train()
 
 
+def head_grad_norm(policy):
+    """||grad|| of the LM head's weight (a tied head's: the embedding's, both uses summed), before any clip. One
+    number per update: the warning sign when one rollout batch feeds several updates (Dynamic Gradient Gating)."""
+    norm = policy.lm.get_output_embeddings().weight.grad.norm()
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
 # ---- the policy's passes over a batch ------------------------------------------------------------
 
 def micro_batches(rows, idx, budget):

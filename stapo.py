@@ -21,7 +21,7 @@ from checkpoint import StopAtStepEnd, load_checkpoint, save_hf, used_out
 from evaluation import PRESETS as EVAL_PRESETS, EvalOptions, evaluate_during_training, longest_prompt
 from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after
 from parallel import all_reduce_numbers, check_shared_out, gather, gather_cat, init_distributed, refuse_used_out
-from policy import build_policy, measure, micro_batches, response_logprobs
+from policy import build_policy, head_grad_norm, measure, micro_batches, response_logprobs
 from problems import encode_problems, load_problems, probe_tokens, seed_of, step_prompts
 from reward import score_all
 from rollout import compute_dtype, full_params, make_engine, sampler_logprobs
@@ -193,13 +193,14 @@ def train_minibatch(policy, opt, batch, idx, first, args, record):
     mb = MiniBatch(idx, keep if w is None else keep * w, denom)
     if record.analysis:  # --analysis (not the paper's): measures the mini-batch, changes nothing
         analyse(record.analysis, logp, stats, s2t, mb, batch, w)
-    grad_norm = update(policy, opt, batch, mb, args, record)
-    record.minibatch(args.method, s2t, grad_norm, batch.rows, idx)
+    norms = update(policy, opt, batch, mb, args, record)
+    record.minibatch(args.method, s2t, norms, batch.rows, idx)
 
 
 def update(policy, opt, batch, mb, args, record):
-    """One optimizer step on a mini-batch (paper: maximise J_STAPO). FSDP2 reduce-scatters the gradients
-    after every micro-batch, so no rank ever holds an unsharded gradient of the whole model."""
+    """One optimizer step on a mini-batch (paper: maximise J_STAPO); returns the gradient's norm and the LM
+    head's, before the clip. FSDP2 reduce-scatters the gradients after every micro-batch, so no rank ever
+    holds an unsharded gradient of the whole model."""
     keep = torch.zeros(batch.valid.shape, dtype=mb.keep.dtype, device=batch.valid.device)
     keep[mb.idx] = mb.keep
     for micro in micro_batches(batch.rows, mb.idx, args.micro_tokens):
@@ -210,11 +211,12 @@ def update(policy, opt, batch, mb, args, record):
         (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is global
         record.loss_stats(st)
     record.peak("backward")
+    head = head_grad_norm(policy)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
     record.peak("optimizer")
-    return float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    return float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm), head
 
 
 def sampler_weights(batch, idx, args, record):
@@ -291,8 +293,9 @@ def minibatches(rows, count):
 
 
 def set_lr(opt, args, step):
-    """A linear warm-up over --warmup-steps, then constant; returns the step's lr."""
-    lr = args.lr * min(1.0, (step + 1) / max(1, args.warmup_steps))
+    """A linear warm-up over --warmup-steps W, then constant, as verl (JustRL's trainer) steps it once per RL
+    step: lr * t / W at step t < W (step 0's updates at lr 0 fill Adam's moments), then lr; returns it."""
+    lr = args.lr * (min(1.0, step / args.warmup_steps) if args.warmup_steps > 0 else 1.0)
     for group in opt.param_groups:
         group["lr"] = lr
     return lr

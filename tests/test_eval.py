@@ -268,7 +268,7 @@ def test_eval_during_training_decodes_with_its_preset_and_grades_with_the_checke
     seen = []
 
     class PaddedAnswers:
-        def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
+        def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False, logprobs=True):
             seen.append((temperature, top_p))
             box = lambda p: tok(f"\\boxed{{0{gold[tuple(p)]}}}", add_special_tokens=False)["input_ids"]  # noqa
             return [[Sample(box(p), "stop")] * n for p in prompts]
@@ -284,7 +284,7 @@ class SeedEngine:
     def __init__(self, tok):
         self.tok = tok
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False, logprobs=True):
         from rollout import Sample
         return [[Sample(self.tok(f"\\boxed{{{7 * s % 5}}}", add_special_tokens=False)["input_ids"], "stop")] * n
                 for s in seeds]
@@ -357,7 +357,7 @@ class TextEngine:
     def __init__(self, tok, text):
         self.ids = tok(text, add_special_tokens=False)["input_ids"]
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False):
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False, logprobs=True):
         from rollout import Sample
         return [[Sample(self.ids, "stop")] * n for _ in prompts]
 

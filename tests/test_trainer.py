@@ -788,3 +788,55 @@ def test_reward_dapo_trains_on_the_papers_reward(tiny, tmp_path):
                                   device, PROBE)
         accuracy[reward] = row["accuracy"]
     assert accuracy == {"equiv": 0.5, "dapo": 0.25}
+
+
+def test_the_warm_up_is_verls_as_justrl_runs_it():
+    """lr * t / W at RL step t < W, then lr (verl 0.4.0's get_constant_schedule_with_warmup, stepped once per RL
+    step): 0 at step 0, 0.1 lr at step 1, 0.9 lr at step 9, lr from step 10; W = 0 is lr from the start. Breaks
+    with a schedule one step ahead, (t + 1) / W."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    args = stapo.get_args(["--lr", "1e-6", "--warmup-steps", "10"])
+    lrs = [stapo.set_lr(opt, args, t) for t in (0, 1, 9, 10, 500)]
+    assert lrs == pytest.approx([0.0, 1e-7, 9e-7, 1e-6, 1e-6], abs=1e-15) and opt.param_groups[0]["lr"] == 1e-6
+    assert stapo.set_lr(opt, stapo.get_args(["--lr", "1e-3", "--warmup-steps", "0"]), 0) == 1e-3
+
+
+def test_the_lm_heads_gradient_norm_is_logged_per_update(tiny, tmp_path, monkeypatch):
+    """lm_head_grad_norm holds one number per update (--minibatches of them), each the norm of the LM head's
+    gradient before the update's clip. Breaks with the whole model's norm, a norm after the clip (clipped here
+    to 1e-6), or one number per step."""
+    d, _ = tiny
+    heads, real_clip = [], torch.nn.utils.clip_grad_norm_
+
+    def clip(params, max_norm):  # the head's gradient as the clip finds it, then a clip to 1e-6
+        heads.append(float(stapo_policy[0].lm.get_output_embeddings().weight.grad.full_tensor().norm()))
+        return real_clip(params, 1e-6)
+    stapo_policy, real_build = [], stapo.build_policy
+    monkeypatch.setattr(stapo, "build_policy", lambda *a: stapo_policy.append(real_build(*a)) or stapo_policy[0])
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "2", "--minibatches", "2", "--warmup-steps", "0")))
+    m = metrics_of(tmp_path)
+    assert [len(x["lm_head_grad_norm"]) for x in m] == [2, 2]
+    assert [v for x in m for v in x["lm_head_grad_norm"]] == pytest.approx(heads, rel=1e-6)
+    assert max(heads) > 1e-4  # above the clip: a norm read after it would be 1e-6 at most
+    assert all(x["grad_norm"] >= max(x["lm_head_grad_norm"]) for x in m)  # the head is part of the whole model
+
+
+def test_a_signal_during_a_save_stops_at_that_steps_end(tiny, tmp_path, monkeypatch, capsys):
+    """SIGTERM while step 2's --save-every checkpoint is written: the run stops after step 2, with that checkpoint,
+    not after step 3 (a check made only before the save would see the signal a step late). The handler prints
+    nothing: it only records."""
+    d, _ = tiny
+    real_save = checkpoint.save_checkpoint
+
+    def save_and_get_signalled(*a, **k):
+        real_save(*a, **k)
+        os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_and_get_signalled)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit, match="stopped by a signal after step 2, checkpointed in"):
+        stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "5", "--save-every", "2")))
+    assert [x["step"] for x in metrics_of(tmp_path)] == [1, 2]
+    assert checkpoint.checkpoints(str(tmp_path)) == [2]
+    assert signal.getsignal(signal.SIGTERM) == before  # the trainer's handler is gone with the run
+    assert "SIGTERM" not in capsys.readouterr().err

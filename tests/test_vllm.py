@@ -207,13 +207,10 @@ def test_only_the_training_rollout_asks_for_the_samplers_logprobs(tiny, fake_vll
     assert asked() is None
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="eval.evaluate does not yet pass logprobs=False to engine.generate (a one-line change "
-                          "in eval.py); then this passes, and strict=True asks for this marker's removal")
 def test_eval_during_training_asks_no_samplers_logprobs(tiny, fake_vllm, tmp_path):
-    """--eval-every evaluates through the trainer's engine: eval.evaluate must pass logprobs=False, for it never
+    """--eval-every evaluates through the trainer's engine: evaluation.evaluate must pass logprobs=False, for it never
     reads the sampler's log-probs (vLLM would compute and return one per sampled token)."""
-    import eval as ev
+    import evaluation
     d, tok = tiny
     data = tmp_path / "data"
     data.mkdir()
@@ -221,7 +218,7 @@ def test_eval_during_training_asks_no_samplers_logprobs(tiny, fake_vllm, tmp_pat
                                                             "answer": str(i + 1)}) + "\n" for i in range(2)))
     engine = rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55)  # a training engine, as --eval-every's
     engine.load_weights(iter([("a.weight", torch.zeros(2))]))
-    records = ev.evaluate(engine, tok, ["math500"], 2, 1.0, 1.0, 6, data_dir=str(data))
+    records = evaluation.evaluate(engine, tok, ["math500"], evaluation.EvalOptions(2, max_tokens=6, data_dir=str(data)))
     assert len(records) == 4
     assert [p["logprobs"] for c in fake_vllm.CALLS if c[0] == "generate" for p in c[2]] == [None, None]
 
