@@ -22,7 +22,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
 from evaluation import BENCHMARKS, PRESETS, EvalOptions, evaluate, summarize
-from parallel import check_shared_out, gather, init_distributed, refuse_used_out
+from parallel import check_shared_out, gather, init_distributed, refuse_used_out, require_model, run_program
 from problems import encode_prompt, read_jsonl
 from reward import judge_prompt, judge_verdict
 from rollout import compute_dtype, make_engine
@@ -109,6 +109,7 @@ def parser():
     p.add_argument("--enable-thinking", action="store_true", help="Qwen3's chat template in thinking mode")
     p.add_argument("--seed", type=int, default=0, help="every problem's samples are seeded from it")
     p.add_argument("--compare", nargs=2, metavar=("OUT_A", "OUT_B"), help="two results side by side")
+    p.print_usage = lambda file=None: None  # a wrong flag is one line, as every user error (--help lists them)
     return p
 
 
@@ -119,6 +120,9 @@ def main(argv=None):
         return compare(*a.compare)
     if not (a.model or a.judge_only and a.judge or a.judge_shard):
         p.error("--model is required (or --compare OUT_A OUT_B, or --judge-only with --judge MODEL)")
+    for flag, model in (("--model", a.model), ("--judge", a.judge)):
+        if model:
+            require_model(model, flag)
     names = list(BENCHMARKS) if a.benchmarks == "all" else a.benchmarks.split(",")
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
@@ -265,4 +269,4 @@ def merge_verdicts(out, judge_model):
 
 
 if __name__ == "__main__":
-    main()
+    run_program(main)

@@ -1,12 +1,41 @@
 """parallel.py: the process group. Ranks and the device mesh, collectives of a few numbers or objects, the
-check that every rank sees the same --out, and the refusal of a used one.
+check that every rank sees the same --out, the refusal of a used one, and the user's errors: one line each.
 """
 import os
+import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+
+
+class UserError(ValueError):
+    """A mistake in what the user gave: a flag's value, a path, a line of a data file. Its message names it and
+    what to do; run_program prints that alone."""
+
+
+def run_program(main):
+    """A program's main(): a UserError ends it with its message, printed once (by rank 0), and exit code 2, with
+    no traceback; any other exception keeps its traceback. The process group is destroyed either way."""
+    try:
+        return main()
+    except UserError as e:
+        if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
+            print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    finally:  # a process group alive at exit can abort the process
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def require_model(path, flag="--model"):
+    """A model given as a local path must be a folder there (transformers would read a missing one as a Hub id
+    and answer about the id's characters). A Hub id is org/name."""
+    local = path.startswith(("/", ".", "~")) or path.count("/") > 1 or os.path.exists(path)
+    if local and not os.path.isdir(os.path.expanduser(path)):
+        raise UserError(f"{flag} {path}: no such folder (a model here is a folder with config.json; "
+                        "from the Hub, an id such as Qwen/Qwen3-8B-Base)")
 
 
 def init_distributed():
@@ -80,7 +109,7 @@ def refuse_used_out(out, held, ways):
     found it in use: `held` says what it holds, in words (None: nothing); `ways`, what to do instead."""
     held = gather(held)[0]
     if held:
-        raise FileExistsError(f"--out {out} already holds {held}. {ways}. Nothing in {out} was changed.")
+        raise UserError(f"--out {out} already holds {held}. {ways}. Nothing in {out} was changed.")
 
 
 def refuse_restarts_on_the_agents_store():

@@ -3,9 +3,12 @@ our layout or DAPO-Math's), the prompt the model sees, and which prompts and see
 """
 import hashlib
 import json
+import os
 
 import datasets
 import torch
+
+from parallel import UserError
 
 SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should "
@@ -50,6 +53,8 @@ def encode_problems(tok, problems, max_prompt_len, chat_template=True, enable_th
 def read_jsonl(path, fields=()):
     """[("file:line", row)] of a .jsonl file; a line that is not a JSON object, or lacks one of `fields`,
     is an error naming the file, the line and the field."""
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: no such file")
     rows = []
     with open(path) as f:
         for i, line in enumerate(f, 1):
@@ -58,12 +63,12 @@ def read_jsonl(path, fields=()):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+                raise UserError(f"{path}:{i}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{i}: not an object")
+                raise UserError(f"{path}:{i}: not an object")
             missing = [k for k in fields if row.get(k) is None]
             if missing:
-                raise ValueError(f"{path}:{i}: missing field {missing[0]!r}")
+                raise UserError(f"{path}:{i}: missing field {missing[0]!r}")
             rows.append((f"{path}:{i}", row))
     return rows
 
@@ -73,13 +78,13 @@ def problem_answer(row, where):
     if "prompt" not in row:
         missing = [k for k in ("problem", "answer") if row.get(k) is None]
         if missing:
-            raise ValueError(f"{where}: missing field {missing[0]!r}")
+            raise UserError(f"{where}: missing field {missing[0]!r}")
         return row["problem"], str(row["answer"])
     try:  # DAPO-Math-17k's own schema: the problem inside its instruction wrapper, the gold in reward_model
         content, gold = row["prompt"][0]["content"], str(row["reward_model"]["ground_truth"])
     except (KeyError, IndexError, TypeError):
         fields = "'prompt[0].content' or 'reward_model.ground_truth'"
-        raise ValueError(f"{where}: missing field {fields}") from None
+        raise UserError(f"{where}: missing field {fields}") from None
     if content.startswith(DAPO_PREFIX) and content.endswith(DAPO_SUFFIX):
         content = content[len(DAPO_PREFIX):len(content) - len(DAPO_SUFFIX)]
     return content, gold

@@ -20,7 +20,8 @@ from analysis import TokenAnalysis, analyse
 from checkpoint import StopAtStepEnd, load_checkpoint, save_hf, used_out
 from evaluation import PRESETS as EVAL_PRESETS, EvalOptions, evaluate_during_training, longest_prompt
 from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after
-from parallel import all_reduce_numbers, check_shared_out, gather, gather_cat, init_distributed, refuse_used_out
+from parallel import (UserError, all_reduce_numbers, check_shared_out, gather, gather_cat, init_distributed,
+                      refuse_used_out, require_model, run_program)
 from policy import build_policy, head_grad_norm, measure, micro_batches, response_logprobs
 from problems import encode_problems, load_problems, probe_tokens, seed_of, step_prompts
 from reward import score_all
@@ -111,6 +112,7 @@ def get_args(argv=None):
         run.add_argument(flag, action="store_true", help=text)
     run.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                      help="the prompt as plain text, not a user turn of the chat template")
+    p.print_usage = lambda file=None: None  # a wrong flag is one line, as every user error (--help lists them)
     return p.parse_args(argv)
 
 
@@ -342,7 +344,7 @@ def context_length(args, tok):
     limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
     for what, n in need.items():
         if limit and n > limit:
-            raise ValueError(f"{what} is {n} tokens, beyond the {limit} positions of --model {args.model}")
+            raise UserError(f"{what} is {n} tokens, beyond the {limit} positions of --model {args.model}")
     return max(need.values())
 
 
@@ -355,8 +357,9 @@ def eval_options(args):
 
 def train(args):
     rank, world, device, mesh = init_distributed()
+    require_model(args.model)
     if args.prompts_per_step % (args.minibatches * world):
-        raise ValueError(f"--prompts-per-step {args.prompts_per_step} must split evenly into "
+        raise UserError(f"--prompts-per-step {args.prompts_per_step} must split evenly into "
                          f"--minibatches {args.minibatches}, each over {world} ranks")
     if not args.resume:  # before anything is written to --out
         refuse_used_out(args.out, used_out(args.out), "Continue it with --resume, or start anew in another --out")
@@ -406,8 +409,4 @@ def train(args):
 
 
 if __name__ == "__main__":
-    try:
-        train(get_args())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_program(lambda: train(get_args()))

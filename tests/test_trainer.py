@@ -216,7 +216,7 @@ def test_a_used_out_is_refused_without_resume_and_left_as_it_was(tiny, tmp_path)
     d, _ = tiny
     stapo.train(stapo.get_args(args_for(d, tmp_path / "a", "--steps", "1", "--save-every", "1")))
     before = tree_hashes(tmp_path / "a")
-    with pytest.raises(FileExistsError, match=r"already holds a run: metrics.jsonl logged to step 1, the checkpoint "
+    with pytest.raises(parallel.UserError, match=r"already holds a run: metrics.jsonl logged to step 1, the checkpoint "
                                               r"ckpt/step_1, a trained model in model/\. Continue it with --resume, or "
                                               r"start anew in another --out"):
         stapo.train(stapo.get_args(args_for(d, tmp_path / "a", "--steps", "2")))
@@ -224,7 +224,7 @@ def test_a_used_out_is_refused_without_resume_and_left_as_it_was(tiny, tmp_path)
     record = {"benchmark": "math500", "id": "0", "correct": True, "length": 3, "finish_reason": "stop"}
     ev.write_results(str(tmp_path / "e"), [record], {"model": "m"})
     before = tree_hashes(tmp_path / "e")
-    with pytest.raises(FileExistsError, match=r"holds an evaluation in samples.jsonl\. Write this evaluation to "
+    with pytest.raises(parallel.UserError, match=r"holds an evaluation in samples.jsonl\. Write this evaluation to "
                                               r"another --out; to judge that one's samples: --judge-only"):
         ev.main(["--model", str(d / "model"), "--benchmarks", "math500", "--out", str(tmp_path / "e")])
     assert tree_hashes(tmp_path / "e") == before
@@ -840,3 +840,34 @@ def test_a_signal_during_a_save_stops_at_that_steps_end(tiny, tmp_path, monkeypa
     assert checkpoint.checkpoints(str(tmp_path)) == [2]
     assert signal.getsignal(signal.SIGTERM) == before  # the trainer's handler is gone with the run
     assert "SIGTERM" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_users_error_is_one_line_and_exit_code_2(tiny, tmp_path):
+    """A wrong flag value, a missing model folder, a malformed dataset line and a used --out each end the run with
+    one line naming the flag, file or line, exit code 2 and no traceback; under torchrun rank 0 alone prints it
+    (torchrun's own report of the failed workers follows). Breaks with a traceback before the message (an
+    exception left to Python), a message from every rank, or another exit code."""
+    d, _ = tiny
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "What is 1 + 1?", "answer": "2"}\nnot json\n')
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "metrics.jsonl").write_text('{"step": 3}\n')
+    cases = {"--prompts-per-step 4 must split evenly into --minibatches 3": ["--minibatches", "3"],
+             "--model /nonexistent/model: no such folder": ["--model", "/nonexistent/model"],
+             f"{bad}:2: not valid JSON": ["--dataset", str(bad)],
+             f"--out {used} already holds a run: metrics.jsonl logged to step 3": ["--out", str(used)],
+             "argument --lr: invalid float value: 'fast'": ["--lr", "fast"]}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for message, flags in cases.items():
+        argv = args_for(d, tmp_path / "out", *flags)
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "stapo.py"), *argv], capture_output=True, text=True,
+                           cwd=ROOT, env=env, timeout=300)
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and message in lines[0], (message, r.returncode, r.stderr[-2000:])
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        os.path.join(ROOT, "stapo.py"), *args_for(d, tmp_path / "out2", "--dataset", str(bad))],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode != 0 and r.stderr.count(f"{bad}:2: not valid JSON") == 1, r.stderr[-3000:]
+    assert "stapo.py\", line" not in r.stderr and "exitcode  : 2" in r.stderr  # no trace of ours; torchrun's report
