@@ -182,8 +182,8 @@ class MiniBatch:
 
 
 def train_minibatch(policy, opt, batch, idx, first, args, record):
-    """Step 5 on one mini-batch (Algorithm 1, lines 7-10): the current policy's p and H, S2T, the
-    token weights, an update."""
+    """Step 5 of Algorithm 1 on one mini-batch: the current policy's p and H, S2T (the mask M), the token
+    weights, an update."""
     if first:  # no update yet: the current policy is the old one
         logp, stats = batch.old_logp[idx], batch.old_stats[idx]
     else:
@@ -250,8 +250,9 @@ def rollout_is_weights(old_logp, sampler_logp, valid, level="token", cap=2.0, mo
 
 def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
     """One step of the paper's loop (Algorithm 1) on this rank's prompts: (metrics, silenced)."""
-    G = args.group_size
-    analysis = TokenAnalysis(args.method, clip_settings(args), args.tau_p, args.temperature) if args.analysis else None
+    G, analysis = args.group_size, None
+    if args.analysis:  # the token-level view (analysis.py), summed over the step's mini-batches
+        analysis = TokenAnalysis(args.method, clip_settings(args), args.tau_p, args.temperature)
     record = StepMetrics(step, tok if args.log_silenced else None, analysis)
 
     # 1. Rollout: G samples per prompt from the engine (the policy as of the last sync), each seeded
