@@ -442,7 +442,7 @@ def test_the_entropy_change_is_the_papers_lemma_a_natural_gradient_step():
     assert (predicted > 0).any() and (predicted < 0).any()  # both directions occur in this case
 
 
-def test_the_entropy_change_of_the_issues_example():
+def test_the_entropy_change_where_the_two_forms_disagree_in_sign():
     """pi = (0.508, 0.34, 0.025 x 6), y = 1, A = +1 (H = 1.264): the lemma gives -0.34 (log 0.34 + H) = -0.063,
     the entropy falls; the plain-gradient form gives +0.101, it rises. Breaks with the plain-gradient form."""
     pi = torch.tensor([0.508, 0.34] + [0.025] * 6, dtype=torch.float64)

@@ -57,7 +57,7 @@ NOT_EQUIVALENT = [
 ]
 
 
-# The answer forms of issue 11, numbered as there; each rule has true and false cases.
+# The answer forms a checker meets, one numbered group per rule; each rule has true and false cases.
 FORMS_EQUIVALENT = [
  # 1 sets and lists
  ("\\{1,3,5\\}", "1, 3, 5"), ("n \\in \\{1,3,5\\}", "1, 3, 5"), ("1, 3, \\text{ and } 5", "1, 3, 5"), ("1, 3 and 5", "5, 3, 1"),
@@ -105,8 +105,8 @@ FORMS_NOT_EQUIVALENT = [
  ("-3,0", "-3"), ("6764,10945", "6764"),  # a list is no decimal comma against an integer (1,22 ~ 1.22 stays)
 ]
 
-# The answer classes of issue 23 (public graders' cases we failed), each with its near misses.
-ISSUE23_EQUIVALENT = [
+# The answer classes of the public graders' cases the checker once failed, each with its near misses.
+GRADER_CASES_EQUIVALENT = [
  # inequalities written another way round, or spelled \lt, \gt, \neq, !=
  ("5 \\geq x", "x \\le 5"), ("5 \\geq x", "(-\\infty, 5]"), ("10 > x > 1", "(1, 10)"), ("-x > -1", "x < 1"),
  ("-x >= -1", "x \\leq 1"), ("x \\lt 3", "x < 3"), ("x \\gt 5", "x > 5"), ("x \\neq 3", "x != 3"),
@@ -134,7 +134,7 @@ ISSUE23_EQUIVALENT = [
  ("C. x = 42", "C"), ("\\\\frac{1}{2}", "0.5"), ("185\\", "185"), ("125\\textnormal{ miles}", "125"),
  ("28 percentage", "28\\%"),
 ]
-ISSUE23_NOT_EQUIVALENT = [
+GRADER_CASES_NOT_EQUIVALENT = [
  ("5 \\geq x", "x \\geq 5"), ("10 > x > 1", "[1, 10)"), ("-x > -1", "x > 1"), ("-x > -1", "x \\le 1"),
  ("x \\neq 3", "x \\neq 4"), ("x < 1", "y < 1"), ("1 \\le |z| \\le 2", "z \\in [1,2]"), ("0<f(x)<1", "[0,1)"),
  # equations: a near miss stays wrong, and an unsolved equation is not its solution
@@ -153,12 +153,12 @@ ISSUE23_NOT_EQUIVALENT = [
 ]
 
 
-@pytest.mark.parametrize("a,b", EQUIVALENT + FORMS_EQUIVALENT + ISSUE23_EQUIVALENT)
+@pytest.mark.parametrize("a,b", EQUIVALENT + FORMS_EQUIVALENT + GRADER_CASES_EQUIVALENT)
 def test_equivalent(a, b):
     assert is_equivalent(a, b) and is_equivalent(b, a)
 
 
-@pytest.mark.parametrize("a,b", NOT_EQUIVALENT + FORMS_NOT_EQUIVALENT + ISSUE23_NOT_EQUIVALENT)
+@pytest.mark.parametrize("a,b", NOT_EQUIVALENT + FORMS_NOT_EQUIVALENT + GRADER_CASES_NOT_EQUIVALENT)
 def test_not_equivalent(a, b):
     assert not is_equivalent(a, b) and not is_equivalent(b, a)
 

@@ -472,7 +472,7 @@ def test_method_objectives_on_a_fixed_batch(tiny):
     keep, denom = stapo.token_weights("grpo", ent, valid, s2t)
     assert torch.allclose(keep, valid / torch.tensor([[3.0], [2.0], [4.0]])) and denom == 3
     # entropy20: the top 20% entropy among the 9 valid tokens: 0.8-quantile of
-    # [.1 .2 .3? no: valid H = .5 .1 2 | .4 .4 | 1 .2 3 .7] sorted [.1 .2 .4 .4 .5 .7 1 2 3] -> pos 6.4 -> 1.4
+    # the valid H = .5 .1 2 | .4 .4 | 1 .2 3 .7, sorted [.1 .2 .4 .4 .5 .7 1 2 3]: position 6.4 -> 1.4
     keep, denom = stapo.token_weights("entropy20", ent, valid, s2t)
     expect = valid & (ent >= 1.4)
     assert torch.equal(keep, expect) and denom == 2  # H = 2 and H = 3
