@@ -70,15 +70,16 @@ def analyse(analysis, logp, stats, s2t, mb, batch, w=None):
     adv = batch.adv[mb.idx, None].expand_as(logp)
     unsilenced = mb.keep if analysis.method != "stapo" else valid.float() if w is None else valid * w
     norm = lambda w: logit_gradient_norm(logp, collision, w, analysis.temperature)  # noqa: E731
-    applied, if_kept = (loss_token_weight(logp, old, adv, k, mb.denom, *analysis.clip) for k in (mb.keep, unsilenced))
+    applied, if_kept = (loss_token_weight(logp, old, adv, keep, mb.denom, *analysis.clip)
+                        for keep in (mb.keep, unsilenced))
     weight = (logp - old).exp() * adv  # ratio * A
     tokens = (norm(applied), norm(if_kept), norm(weight), entropy_change(logp, ent, weight))
     analysis.add(s2t, logp.exp() < analysis.tau_p, adv, valid, tokens)
 
 
 class TokenAnalysis:
-    """A step's token-level view, as sums over this rank's tokens (metrics.StepMetrics sums them over ranks and
-    asks row() for the metrics). Each mini-batch adds (analyse):
+    """A step's token-level view, as sums over this rank's tokens (metrics.StepMetrics sums them over ranks
+    and asks row() for the metrics). Each mini-batch adds (analyse):
       - each set's sum of ||grad_a||^2 under the gradient the loss applies (S2T's silenced set, its other
         candidates, the rest), and the silenced set's sum under the gradient it would get if kept;
       - the eight groups' token counts, sums of the policy-gradient norm and of the entropy change, in the

@@ -109,7 +109,7 @@ def parser():
     p.add_argument("--enable-thinking", action="store_true", help="Qwen3's chat template in thinking mode")
     p.add_argument("--seed", type=int, default=0, help="every problem's samples are seeded from it")
     p.add_argument("--compare", nargs=2, metavar=("OUT_A", "OUT_B"), help="two results side by side")
-    p.print_usage = lambda file=None: None  # a wrong flag is one line, as every user error (--help lists them)
+    p.print_usage = lambda file=None: None  # a wrong flag is one line, as any user error (--help lists all)
     return p
 
 

@@ -122,10 +122,11 @@ def evaluate(engine, tok, names, opts, rank=0, world=1):
     for name in names:
         every = load_benchmark(name, opts.data_dir, (opts.sources or {}).get(name))[:opts.limit]
         problems, k = every[rank::world], opts.samples or BENCHMARKS[name][4]
-        prompts = [encode_prompt(tok, p["problem"], opts.chat_template, opts.enable_thinking) for p in problems]
+        prompts = [encode_prompt(tok, p["problem"], opts.chat_template, opts.enable_thinking)
+                   for p in problems]
         seeds = [seed_of(opts.seed, i) for i in range(rank, len(every), world)]
-        outs = engine.generate(prompts, k, opts.temperature, opts.top_p, opts.max_tokens, seeds, progress=rank == 0,
-                               logprobs=False)  # the sampler's log-probs: never read here
+        outs = engine.generate(prompts, k, opts.temperature, opts.top_p, opts.max_tokens, seeds,
+                               progress=rank == 0, logprobs=False)  # the sampler's log-probs: never read
         texts = [tok.decode(s.tokens, skip_special_tokens=True) for out in outs for s in out]
         golds = [p["answer"] for p in problems for _ in range(k)]
         answers = [(extract_answer if opts.unboxed else extract_boxed)(text) for text in texts]
@@ -139,9 +140,10 @@ def evaluate(engine, tok, names, opts, rank=0, world=1):
 
 
 def longest_prompt(tok, names, opts):
-    """The longest prompt of the benchmarks `names`, in tokens (stapo.py --eval-every sizes its engine by it)."""
+    """The longest prompt of the benchmarks `names`, in tokens: stapo.py --eval-every sizes its engine by it."""
     problems = [p for name in names for p in load_benchmark(name, opts.data_dir, (opts.sources or {}).get(name))]
-    return max(len(encode_prompt(tok, p["problem"], opts.chat_template, opts.enable_thinking)) for p in problems)
+    prompts = [encode_prompt(tok, p["problem"], opts.chat_template, opts.enable_thinking) for p in problems]
+    return max(map(len, prompts))
 
 
 def evaluate_during_training(engine, tok, names, opts, rank, world):

@@ -11,13 +11,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 
 class UserError(ValueError):
-    """A mistake in what the user gave: a flag's value, a path, a line of a data file. Its message names it and
-    what to do; run_program prints that alone."""
+    """A mistake in what the user gave: a flag's value, a path, a line of a data file. Its message names
+    it and what to do; run_program prints that alone."""
 
 
 def run_program(main):
-    """A program's main(): a UserError ends it with its message, printed once (by rank 0), and exit code 2, with
-    no traceback; any other exception keeps its traceback. The process group is destroyed either way."""
+    """A program's main(): a UserError ends it with its message, printed once (by rank 0), and exit code 2,
+    with no traceback; any other exception keeps its traceback. The process group is destroyed either way."""
     try:
         return main()
     except UserError as e:

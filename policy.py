@@ -75,8 +75,9 @@ def build_policy(path, mesh, device, dtype=torch.float32):
 
 
 def head_grad_norm(policy):
-    """||grad|| of the LM head's weight (a tied head's: the embedding's, both uses summed), before any clip. One
-    number per update: the warning sign when one rollout batch feeds several updates (Dynamic Gradient Gating)."""
+    """||grad|| of the LM head's weight (a tied head's: the embedding's, both uses summed), before any clip.
+    One number per update: the warning sign when one rollout batch feeds several updates (Dynamic Gradient
+    Gating, a paper that cites STAPO)."""
     norm = policy.lm.get_output_embeddings().weight.grad.norm()
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 

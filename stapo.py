@@ -112,7 +112,7 @@ def get_args(argv=None):
         run.add_argument(flag, action="store_true", help=text)
     run.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                      help="the prompt as plain text, not a user turn of the chat template")
-    p.print_usage = lambda file=None: None  # a wrong flag is one line, as every user error (--help lists them)
+    p.print_usage = lambda file=None: None  # a wrong flag is one line, as any user error (--help lists all)
     return p.parse_args(argv)
 
 
@@ -273,8 +273,8 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
     #    micro-batches its update will use (same shapes: an unchanged policy gives ratio 1 exactly)
     blocks = minibatches(batch.rows, args.minibatches)
     for idx in blocks:
-        batch.old_logp[idx], batch.old_stats[idx] = measure(policy, batch.rows, idx, batch.valid, args.micro_tokens,
-                                                             args.temperature)
+        old = measure(policy, batch.rows, idx, batch.valid, args.micro_tokens, args.temperature)
+        batch.old_logp[idx], batch.old_stats[idx] = old
     record.old_policy(batch)
 
     # 5. Mini-batch updates: S2T on the current policy's p and H, the loss, an optimizer step each
@@ -352,8 +352,9 @@ def context_length(args, tok):
 def eval_options(args):
     """--eval-every's evaluation: --eval-preset's temperature and top-p, the --eval-* settings."""
     temperature, top_p = EVAL_PRESETS[args.eval_preset]
-    return EvalOptions(args.eval_samples or None, temperature, top_p, args.eval_max_tokens, args.eval_data_dir or None,
-                       chat_template=args.chat_template, enable_thinking=args.enable_thinking, seed=args.seed)
+    return EvalOptions(args.eval_samples or None, temperature, top_p, args.eval_max_tokens,
+                       args.eval_data_dir or None, chat_template=args.chat_template,
+                       enable_thinking=args.enable_thinking, seed=args.seed)
 
 
 def train(args):
@@ -389,7 +390,8 @@ def train(args):
     stop_at_step_end = StopAtStepEnd(args.out, args.save_every, args.keep_ckpts, args.prompts_per_step)
     with stop_at_step_end as stop:  # SIGTERM or SIGINT: a checkpoint at the step's end, then the exit
         for step in tqdm(range(start, args.steps), **progress):
-            prompts = step_prompts(data, step, args.prompts_per_step, args.minibatches, args.seed, rank, world)
+            per_step, minibatches = args.prompts_per_step, args.minibatches
+            prompts = step_prompts(data, step, per_step, minibatches, args.seed, rank, world)
             metrics, silenced = train_step(step, policy, opt, engine, tok, prompts, args, device, probe)
             if args.eval_every and (step + 1) % args.eval_every == 0:
                 names = args.eval_benchmarks.split(",")
