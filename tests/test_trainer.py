@@ -66,10 +66,12 @@ def assert_same_metrics(a, b, rel=1e-4):
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
         for k in {k for k in x if k not in TIMING and not k.startswith("peak_gb/")}:  # time and memory vary
-            if isinstance(x[k], float) and isinstance(y[k], float):
-                assert math.isclose(x[k], y[k], rel_tol=rel, abs_tol=1e-6), (x["step"], k, x[k], y[k])
-            else:
-                assert x[k] == y[k], (x["step"], k, x[k], y[k])
+            values = zip(x[k], y[k]) if isinstance(x[k], list) and len(x[k]) == len(y[k]) else [(x[k], y[k])]
+            for u, v in values:  # a list (lm_head_grad_norm: one per update) value by value
+                if isinstance(u, float) and isinstance(v, float):
+                    assert math.isclose(u, v, rel_tol=rel, abs_tol=1e-6), (x["step"], k, x[k], y[k])
+                else:
+                    assert u == v, (x["step"], k, x[k], y[k])
 
 
 def metrics_of(out):
