@@ -6,6 +6,7 @@ The trainer and eval.py speak to an engine through four calls:
     engine.load_weights(named_tensors)   # the weights changed: (HF name, full tensor) pairs, one at a time
     engine.logprobs_of(tokens)           # log p of tokens[1:] given their prefix: the sync's self-check
     engine.sleep()                       # rollout over: give the accelerator memory back to the trainer
+    engine.close()                       # the program's end, after its last collective: the engine shut down
 
 HFEngine decodes with a transformers model (CPU, tests, small runs); VLLMEngine is colocated vLLM 0.32 (GPU, and
 vLLM's CPU build). Both follow vLLM's seeding rule: a sample's noise depends on neither the batch nor the rank.
@@ -104,6 +105,9 @@ class HFEngine:
     def sleep(self):
         pass
 
+    def close(self):
+        self.model = None
+
 
 def left_padded(rows, max_tokens, device):
     """Prompts left-padded to one width, with room for max_tokens after it: (ids, the attention mask, width).
@@ -177,6 +181,17 @@ class VLLMEngine:
         if self.cuda:
             self.llm.sleep(level=2)
             self.asleep = True
+
+    def close(self):
+        """vLLM's own shutdown (vLLM 0.32's LLM has no close of its own), before the interpreter's: the engine
+        core's, which frees its workers, their CuMem pools and caches. Woken first: freeing a sleeping engine's
+        unmapped memory unmaps it again, and the CuMem allocator prints CUDA errors. It also destroys torch's
+        default process group (cleanup_dist_env_and_memory): call it after the program's last collective."""
+        if self.llm is not None:
+            if self.asleep:
+                self.llm.wake_up()
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm, self.asleep = None, False
 
 
 ENGINE_PIDS = []  # the process that built this process's vLLM engine
