@@ -316,7 +316,10 @@ def test_the_judge_path_builds_one_engine_per_process(tiny, tmp_path, process_gr
     built = [json.loads(x) for x in open(tmp_path / "built.jsonl")]
     assert [(b["pid"] == os.getpid(), b["enable_sleep_mode"]) for b in built] == [(True, True), (False, False)]
     assert [c[0] for c in fake_vllm.CALLS if c[0] in ("LLM", "sleep")] == ["LLM", "sleep"]  # asleep, then judged
-    assert barriers and barriers[0] == len(fake_vllm.CALLS)  # every rank done before the judge's process starts
+    assert barriers and barriers[0] == len(fake_vllm.CALLS) - 2  # every rank done before the judge's process starts
+    # then, after the last barrier, the engine is woken and shut down (vLLM's shutdown destroys the group)
+    assert barriers[-1] == len(fake_vllm.CALLS) - 2 and fake_vllm.CALLS[-2:] == [("wake_up", ("kv_cache", "weights")),
+                                                                                   ("shutdown",)]
     samples = [json.loads(x) for x in open(tmp_path / "out" / "samples.jsonl")]
     assert all("judged" in s for s in samples)  # the fake's "\x01\x02" reply is no verdict, nor a crash
     assert json.load(open(tmp_path / "out" / "results.json"))["judge_pids"] == [built[1]["pid"]]
