@@ -9,6 +9,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import types
@@ -108,6 +109,36 @@ def test_real_engine_judge_runs_in_a_process_of_its_own_on_two_ranks(tiny_vllm, 
     assert len(verdicts) == sum(not s["correct"] for s in samples) > 0
     assert len(set(results["sampler_pids"])) == 2 and results["judge_pids"] == sorted({v["pid"] for v in verdicts})
     assert not set(results["judge_pids"]) & set(results["sampler_pids"])  # the two engines: different processes
+
+
+CLOSE_SPY = """import runpy, sys, torch, rollout
+real = rollout.VLLMEngine.close
+def close(self):
+    print("engine closed; process group alive:", torch.distributed.is_initialized())
+    real(self)
+rollout.VLLMEngine.close = close
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")"""
+
+
+@real_vllm
+@same_worker
+def test_real_engine_is_closed_at_the_end_of_eval_and_training(tiny_vllm, tmp_path):
+    """eval.py and stapo.py close their vLLM engine once, after their last barrier (vLLM's shutdown destroys the
+    process group: it is still alive then), before the interpreter's teardown; neither prints an error or a
+    traceback. Broke before: the engines had no close(), vLLM's finalizer shut them down at the interpreter's exit."""
+    d, _ = tiny_vllm
+    (tmp_path / "math500.jsonl").write_text('{"id": "0", "problem": "What is 1 + 1?", "answer": "2"}\n')
+    programs = [["eval.py", "--model", str(d / "model"), "--data-dir", str(tmp_path), "--benchmarks", "math500",
+                 "--samples", "2", "--max-tokens", "4", "--out", str(tmp_path / "eval")],
+                ["stapo.py", "--model", str(d / "model"), "--dataset", str(d / "train.jsonl"), "--out",
+                 str(tmp_path / "t"), "--prompts-per-step", "2", "--group-size", "2", "--minibatches", "1",
+                 "--max-prompt-len", "64", "--max-response-len", "4", "--steps", "1", "--save-every", "0"]]
+    for program in programs:
+        r = run([sys.executable, "-c", CLOSE_SPY, *program, "--engine", "vllm"])
+        assert r.stdout.count("engine closed; process group alive: True") == 1, (program[0], r.stdout[-2000:])
+        errors = [line for line in r.stderr.splitlines() if re.search(r"(?i)error|traceback|exception", line)]
+        assert not errors, (program[0], errors)
 
 
 @real_vllm
