@@ -10,12 +10,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 
 def init_distributed(use_cuda=True):
-    """torchrun's env, or a lone process as a world of one. Returns rank, world size, device, mesh.
-    use_cuda=False: gloo and the CPU even on a GPU node, and no CUDA call at all (no CUDA context).
-    On GPU, gloo carries the CPU tensors (counts, metrics) and NCCL the CUDA ones, with a timeout long
-    enough for a rank to wait out another's long rollout or checkpoint write. On one node the mesh is
-    1-D (FSDP over every rank); on several it is 2-D, (nodes, ranks per node): HSDP shards within a
-    node and replicates across nodes, so only the gradient all-reduce crosses the slower link."""
+    """torchrun's env, or a lone process as a world of one. Returns rank, world size, device, mesh. use_cuda=False:
+    the CPU and gloo alone, and no CUDA call. On GPU, gloo carries the CPU tensors (counts, metrics) and NCCL the
+    CUDA ones, with a timeout long enough for a rank to wait out another's long rollout or checkpoint write. On one
+    node the mesh is 1-D (FSDP over every rank); on several it is 2-D, (nodes, ranks per node): HSDP shards within
+    a node and replicates across nodes, so only the gradient all-reduce crosses the slower link."""
     cuda = use_cuda and torch.cuda.is_available()
     if not dist.is_initialized():
         if cuda:

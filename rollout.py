@@ -1,12 +1,11 @@
 """rollout.py: the engines. Prompts in, samples out, and the trainer's weights in after every step.
 
-The trainer and eval.py speak to an engine through four calls:
+The trainer and eval.py speak to an engine through four calls (and engine.close() after their last collective):
     engine.generate(prompts, n, temperature, top_p, max_tokens, seeds, progress=False, logprobs=True)
         -> [[Sample] * n per prompt]; sample j of seed s draws from seed s + j; logprobs=False: no sampler's
     engine.load_weights(named_tensors)   # the weights changed: (HF name, full tensor) pairs, one at a time
     engine.logprobs_of(tokens)           # log p of tokens[1:] given their prefix: the sync's self-check
     engine.sleep()                       # rollout over: give the accelerator memory back to the trainer
-    engine.close()                       # the program's end, after its last collective: the engine shut down
 
 HFEngine decodes with a transformers model (CPU, tests, small runs); VLLMEngine is colocated vLLM 0.32 (GPU, and
 vLLM's CPU build). Both follow vLLM's seeding rule: a sample's noise depends on neither the batch nor the rank.
@@ -89,7 +88,6 @@ class HFEngine:
         stop = next((i + 1 for i, t in enumerate(tokens) if t in self.eos), None)
         return Sample(tokens[:stop], "stop") if stop else Sample(tokens, "length")
 
-
     @torch.no_grad()
     def load_weights(self, named_tensors):
         params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied lm_head has its name
@@ -104,9 +102,7 @@ class HFEngine:
 
     def sleep(self):
         pass
-
-    def close(self):
-        self.model = None
+    close = sleep  # the program's end: a transformers model needs no shutdown
 
 
 def left_padded(rows, max_tokens, device):
@@ -181,17 +177,6 @@ class VLLMEngine:
         if self.cuda:
             self.llm.sleep(level=2)
             self.asleep = True
-
-    def close(self):
-        """vLLM's own shutdown (vLLM 0.32's LLM has no close of its own), before the interpreter's: the engine
-        core's, which frees its workers, their CuMem pools and caches. Woken first: freeing a sleeping engine's
-        unmapped memory unmaps it again, and the CuMem allocator prints CUDA errors. It also destroys torch's
-        default process group (cleanup_dist_env_and_memory): call it after the program's last collective."""
-        if self.llm is not None:
-            if self.asleep:
-                self.llm.wake_up()
-            self.llm.llm_engine.engine_core.shutdown()
-            self.llm, self.asleep = None, False
 
 
 ENGINE_PIDS = []  # the process that built this process's vLLM engine
@@ -273,3 +258,18 @@ def compute_dtype(flag, device):
     if flag == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[flag]
+
+
+def close_vllm(engine):
+    """VLLMEngine.close(), at a program's end: vLLM's own shutdown (vLLM 0.32's LLM has none of its own), the engine
+    core's, which frees its workers, their CuMem pools and caches, before the interpreter's teardown. Woken first:
+    the CuMem allocator frees a sleeping engine's memory by unmapping it again, and prints CUDA errors. It also
+    destroys torch's default process group (cleanup_dist_env_and_memory): call it after the last collective."""
+    if engine.llm is not None:
+        if engine.asleep:
+            engine.llm.wake_up()
+        engine.llm.llm_engine.engine_core.shutdown()
+        engine.llm, engine.asleep = None, False
+
+
+VLLMEngine.close = close_vllm  # out of the class, at its 60 lines
