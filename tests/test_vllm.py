@@ -166,14 +166,15 @@ def test_real_engine_trains_tied_and_untied_models_in_both_dtypes(tied, dtype, t
 @same_worker
 def test_the_gpu_smoke_test_runs_on_cpu(tiny_vllm_tied, tmp_path):
     """examples/gpu_smoke.py, as a user runs it on a new GPU node, here on vLLM's CPU build with a tied tiny
-    model in bf16: 1 rank, then 2 ranks resuming with --eval-every, then eval.py --judge; all items pass."""
+    model in bf16: 1 rank, then 2 ranks resuming with --eval-every, then eval.py --judge; all items pass, their
+    clean exits (no error or traceback in any command's output) among them."""
     d, _ = tiny_vllm_tied
     (tmp_path / "judge.txt").write_text("Q:{question} G:{gold_answer} R:{llm_response} V:")  # a 256-token context
     r = run([sys.executable, os.path.join(ROOT, "examples", "gpu_smoke.py"), "--model", str(d / "model"), "--out",
              str(tmp_path / "smoke"), "--engine", "vllm", "--dtype", "bf16", "--gpus", "2", "--max-prompt-len", "128",
              "--max-tokens", "16", "--judge-prompt", str(tmp_path / "judge.txt")])
-    assert "smoke: 9 passed, 0 failed" in r.stdout, r.stdout[-3000:]
-    assert r.stdout.count("PASS") == 9 and "FAIL" not in r.stdout
+    assert "smoke: 10 passed, 0 failed" in r.stdout, r.stdout[-3000:]
+    assert r.stdout.count("PASS") == 10 and "FAIL" not in r.stdout
 
 
 # ---- the GPU path's order, on a fake --------------------------------------------------------------------
