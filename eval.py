@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
@@ -134,7 +135,7 @@ def main(argv=None):
     if len(a.sources) != len(a.source) or any(n not in BENCHMARKS for n in a.sources):
         p.error(f"--source: expected NAME=FILE with NAME one of {list(BENCHMARKS)}, got {a.source}")
     own_group = not dist.is_initialized()
-    rank, world, device, _ = init_distributed()
+    rank, world, device, _ = init_distributed(use_cuda=not a.judge_only)  # --judge-only: CUDA in its judges only
     try:
         judge_share(a, device) if a.judge_shard else run(a, names, temperature, top_p, rank, world, device)
     finally:
@@ -153,37 +154,72 @@ def load_engine(a, model, device, max_model_len, memory):
 
 
 def run(a, names, temperature, top_p, rank, world, device):
-    """Sample and grade by the rules (not with --judge-only); with --judge, then a judge process per rank."""
-    engine = None  # alive to the end of run(): a vLLM engine's shutdown destroys the process group
-    if not a.judge_only:
-        held = "an evaluation in samples.jsonl" if os.path.exists(os.path.join(a.out, "samples.jsonl")) else None
-        refuse_used_out(a.out, held, "Write this evaluation to another --out; to judge that one's samples: "
-                        "--judge-only --judge MODEL")
-        tok, engine = load_engine(a, a.model, device, a.max_tokens + 2048, a.gpu_memory_utilization)
-        t0 = time.time()
-        opts = EvalOptions(a.samples, temperature, top_p, a.max_tokens, a.data_dir, a.limit, a.chat_template,
-                           a.enable_thinking, a.seed, a.sources, a.unboxed)
-        mine = evaluate(engine, tok, names, opts, rank, world)
-        seconds, records, pids = time.time() - t0, sum(gather(mine), []), gather(os.getpid())
-        if rank == 0:
-            for old in glob.glob(os.path.join(a.out, "judged.*.jsonl")):  # verdicts on an earlier run's samples
-                os.remove(old)
-            write_results(a.out, records, {"model": a.model, "preset": a.preset, "config": vars(a),
-                                           "samples_per_s": len(records) / seconds,
-                                           "tokens_per_s": sum(r["length"] for r in records) / seconds,
-                                           "sampler_pids": pids})
-    if a.judge:
+    """Sample and grade by the rules (not with --judge-only); with --judge, then a judge process per rank. The
+    engine is closed last, after every rank's last collective (a vLLM engine's shutdown destroys the group)."""
+    engine = None
+    try:
+        if not a.judge_only:
+            held = "an evaluation in samples.jsonl" if os.path.exists(os.path.join(a.out, "samples.jsonl")) else None
+            refuse_used_out(a.out, held, "Write this evaluation to another --out; to judge that one's samples: "
+                            "--judge-only --judge MODEL")
+            if a.judge:
+                refuse_exclusive_gpus(a, rank, device)
+            tok, engine = load_engine(a, a.model, device, a.max_tokens + 2048, a.gpu_memory_utilization)
+            t0 = time.time()
+            opts = EvalOptions(a.samples, temperature, top_p, a.max_tokens, a.data_dir, a.limit, a.chat_template,
+                               a.enable_thinking, a.seed, a.sources, a.unboxed)
+            mine = evaluate(engine, tok, names, opts, rank, world)
+            seconds, records, pids = time.time() - t0, sum(gather(mine), []), gather(os.getpid())
+            if rank == 0:
+                for old in glob.glob(os.path.join(a.out, "judged.*.jsonl")):  # verdicts on an earlier run's samples
+                    os.remove(old)
+                write_results(a.out, records, {"model": a.model, "preset": a.preset, "config": vars(a),
+                                               "samples_per_s": len(records) / seconds,
+                                               "tokens_per_s": sum(r["length"] for r in records) / seconds,
+                                               "sampler_pids": pids})
+        if a.judge:
+            if engine:
+                engine.sleep()  # on GPU, vLLM gives its weights and KV cache back for the judge's process
+            check_shared_out(a.out, rank)  # every rank done generating, and its judge process sees samples.jsonl
+            failed = [r for r, code in enumerate(gather(spawn_judge(a, rank, world))) if code]
+            missing = gather(merge_verdicts(a.out, a.judge) if rank == 0 else 0)[0]
+            if failed or missing:  # the same on every rank
+                raise SystemExit(1 if rank else f"eval.py: the judge's process failed on rank(s) {failed} (its output "
+                                 f"is above): {missing} rejected samples have no verdict. {a.out}/samples.jsonl keeps "
+                                 f"every sample and rule verdict; to judge the rest: python eval.py --judge-only --out "
+                                 f"{a.out} --judge {a.judge}")
+        dist.barrier()  # all ranks done, engines alive (a vLLM engine's shutdown destroys the group), then close
+    finally:
         if engine:
-            engine.sleep()  # on GPU, vLLM gives its weights and KV cache back for the judge's process
-        check_shared_out(a.out, rank)  # every rank done generating, and its judge process sees samples.jsonl
-        failed = [r for r, code in enumerate(gather(spawn_judge(a, rank, world, device))) if code]
-        missing = gather(merge_verdicts(a.out, a.judge) if rank == 0 else 0)[0]
-        if failed or missing:  # the same on every rank
-            raise SystemExit(1 if rank else f"eval.py: the judge's process failed on rank(s) {failed} (its output is "
-                             f"above): {missing} rejected samples have no verdict. {a.out}/samples.jsonl keeps every "
-                             f"sample and rule verdict; to judge the rest: python eval.py --judge-only --out {a.out} "
-                             f"--judge {a.judge}")
-    dist.barrier()  # all ranks done, engines alive (a vLLM engine's shutdown destroys the group), then exit
+            engine.close()
+
+
+def exclusive_gpus():
+    """This process's visible GPUs that are in EXCLUSIVE_PROCESS compute mode (one CUDA context per GPU), as
+    nvidia-smi reports them: it creates no context. None found where nvidia-smi is absent or fails."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    cmd = ["nvidia-smi", "--query-gpu=index,compute_mode", "--format=csv,noheader", *(["-i", visible] * bool(visible))]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    rows = [line.split(", ") for line in out.stdout.splitlines()] if out.returncode == 0 else []
+    return [row[0] for row in rows if len(row) == 2 and row[1].strip().lower().startswith("exclusive")]
+
+
+def refuse_exclusive_gpus(a, rank, device):
+    """--judge after sampling, on a GPU that allows one CUDA context: this process's context lives as long as
+    the process (CUDA cannot release it in-process), so its judge's process could not get one. Refused on every
+    rank, before anything is generated."""
+    found = sorted({gpu for gpus in gather(exclusive_gpus() if device.type == "cuda" else []) for gpu in gpus})
+    if found:
+        raise SystemExit(1 if rank else f"eval.py --judge: GPU(s) {', '.join(found)} are in EXCLUSIVE_PROCESS compute "
+                         "mode, which allows one CUDA context per GPU. The sampling engine's process keeps its "
+                         "context to its end, so a judge's process could not start beside it. Nothing was "
+                         "generated. Either switch the GPUs to the default mode (nvidia-smi -c DEFAULT, as root) "
+                         "and run this again, or evaluate without --judge and judge in a later run, which never "
+                         f"touches CUDA but in its judge's process: python eval.py --judge-only --out {a.out} "
+                         f"--judge {a.judge}")
 
 
 def write_results(out, records, results):
@@ -203,13 +239,14 @@ def sample_key(r):
     return r["benchmark"], r["id"], r["sample"]
 
 
-def spawn_judge(a, rank, world, device):
-    """This rank's judge process (`--judge-shard rank/world`), a world of one on this rank's device; its exit
-    code. vLLM keeps process-wide state for one engine: the judge's never shares the policy's process."""
+def spawn_judge(a, rank, world):
+    """This rank's judge process (`--judge-shard rank/world`), a world of one on this rank's GPU (LOCAL_RANK's,
+    as init_distributed picks it; found without a CUDA call), its exit code. vLLM keeps process-wide state for
+    one engine: the judge's never shares the policy's process."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC")}
-    if device.type == "cuda":  # the child sees this rank's GPU alone
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[device.index] if visible else str(device.index)
+    gpu, visible = int(os.environ.get("LOCAL_RANK", 0)), os.environ.get("CUDA_VISIBLE_DEVICES")
+    if torch.cuda.is_available():  # the child sees this rank's GPU alone
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
     flags = ["--judge", a.judge, "--out", a.out, "--engine", a.engine, "--dtype", a.dtype, "--judge-max-tokens",
              str(a.judge_max_tokens), "--judge-gpu-memory-utilization", str(a.judge_gpu_memory_utilization)]
     flags += ["--judge-prompt", a.judge_prompt] if a.judge_prompt else []
@@ -229,15 +266,18 @@ def judge_share(a, device):
     tok, engine = load_engine(a, a.judge, device, 1 << 20, a.judge_gpu_memory_utilization)
     template = open(a.judge_prompt).read() if a.judge_prompt else None
     print(f"eval.py judge {a.judge_shard}: {len(todo)} samples, its engine in process {os.getpid()}", flush=True)
-    with open(os.path.join(a.out, f"judged.{part}.jsonl"), "a") as f:
-        f.write("\n")  # ends a line that a killed judge process left half written
-        for i in range(0, len(todo), JUDGE_CHUNK):
-            chunk, t0 = todo[i:i + JUDGE_CHUNK], time.time()
-            judge(chunk, engine, tok, template, a.judge_max_tokens)
-            s = (time.time() - t0) / len(chunk)
-            f.writelines(json.dumps({"benchmark": r["benchmark"], "id": r["id"], "sample": r["sample"],
-                                     "judge": r["judge"], "s": s, "pid": os.getpid()}) + "\n" for r in chunk)
-            f.flush()
+    try:
+        with open(os.path.join(a.out, f"judged.{part}.jsonl"), "a") as f:
+            f.write("\n")  # ends a line that a killed judge process left half written
+            for i in range(0, len(todo), JUDGE_CHUNK):
+                chunk, t0 = todo[i:i + JUDGE_CHUNK], time.time()
+                judge(chunk, engine, tok, template, a.judge_max_tokens)
+                s = (time.time() - t0) / len(chunk)
+                f.writelines(json.dumps({"benchmark": r["benchmark"], "id": r["id"], "sample": r["sample"],
+                                         "judge": r["judge"], "s": s, "pid": os.getpid()}) + "\n" for r in chunk)
+                f.flush()
+    finally:  # a world of one: nothing to wait for
+        engine.close()
 
 
 def read_verdicts(out):

@@ -38,13 +38,14 @@ def require_model(path, flag="--model"):
                         "from the Hub, an id such as Qwen/Qwen3-8B-Base)")
 
 
-def init_distributed():
+def init_distributed(use_cuda=True):
     """torchrun's env, or a lone process as a world of one. Returns rank, world size, device, mesh.
-    On GPU, gloo carries the CPU tensors (counts, metrics) and NCCL the CUDA ones, with a timeout long
-    enough for a rank to wait out another's long rollout or checkpoint write. On one node the mesh is
-    1-D (FSDP over every rank); on several it is 2-D, (nodes, ranks per node): HSDP shards within a
-    node and replicates across nodes, so only the gradient all-reduce crosses the slower link."""
-    cuda = torch.cuda.is_available()
+    use_cuda=False: the CPU and gloo alone, and no CUDA call. On GPU, gloo carries the CPU tensors (counts,
+    metrics) and NCCL the CUDA ones, with a timeout long enough for a rank to wait out another's long rollout
+    or checkpoint write. On one node the mesh is 1-D (FSDP over every rank); on several it is 2-D, (nodes,
+    ranks per node): HSDP shards within a node and replicates across nodes, so only the gradient all-reduce
+    crosses the slower link."""
+    cuda = use_cuda and torch.cuda.is_available()
     if not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -1,6 +1,6 @@
 """rollout.py: the engines. Prompts in, samples out, and the trainer's weights in after every step.
 
-The trainer and eval.py speak to an engine through four calls:
+The trainer and eval.py speak to an engine through four calls (and engine.close() after their last collective):
     engine.generate(prompts, n, temperature, top_p, max_tokens, seeds, progress=False, logprobs=True)
         -> [[Sample] * n per prompt]; sample j of seed s draws from seed s + j; logprobs=False: no sampler's
     engine.load_weights(named_tensors)   # the weights changed: (HF name, full tensor) pairs, one at a time
@@ -88,7 +88,6 @@ class HFEngine:
         stop = next((i + 1 for i, t in enumerate(tokens) if t in self.eos), None)
         return Sample(tokens[:stop], "stop") if stop else Sample(tokens, "length")
 
-
     @torch.no_grad()
     def load_weights(self, named_tensors):
         params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied lm_head has its name
@@ -103,6 +102,7 @@ class HFEngine:
 
     def sleep(self):
         pass
+    close = sleep  # the program's end: a transformers model needs no shutdown
 
 
 def left_padded(rows, max_tokens, device):
@@ -258,3 +258,18 @@ def compute_dtype(flag, device):
     if flag == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[flag]
+
+
+def close_vllm(engine):
+    """VLLMEngine.close(), at a program's end: vLLM's own shutdown (vLLM 0.32's LLM has none of its own), the engine
+    core's, which frees its workers, their CuMem pools and caches, before the interpreter's teardown. Woken first:
+    the CuMem allocator frees a sleeping engine's memory by unmapping it again, and prints CUDA errors. It also
+    destroys torch's default process group (cleanup_dist_env_and_memory): call it after the last collective."""
+    if engine.llm is not None:
+        if engine.asleep:
+            engine.llm.wake_up()
+        engine.llm.llm_engine.engine_core.shutdown()
+        engine.llm, engine.asleep = None, False
+
+
+VLLMEngine.close = close_vllm  # out of the class, at its 60 lines

@@ -408,6 +408,7 @@ def train(args):
             stop.end_of_step(step + 1, policy, opt, tok, rank)  # a checkpoint; after a signal, the exit
     save_hf(policy, tok, os.path.join(args.out, "model"), rank)
     dist.barrier()
+    engine.close()  # after the last collective: vLLM's shutdown destroys the process group
     return policy
 
 

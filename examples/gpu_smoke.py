@@ -10,13 +10,14 @@ It runs the real commands, each in its own processes, on a few arithmetic proble
      (--eval-every) at the last;
   3. eval.py --judge, with the model judging itself: each rank's judge engine in a process of its own (vLLM
      keeps process-wide state for one engine), on samples one of whose golds nothing matches.
-It prints one PASS/FAIL line per item, the peak memory of each phase (the GPUs' used memory, polled with
-nvidia-smi, all processes; on CPU the processes' resident set), the trainer's own peaks (peak_gb/*) from
-each run's second step (steps 2 and 4: a first step's rollout peak holds vLLM's start-up), and
-"smoke: N passed, M failed". On CPU it runs too, with vLLM's CPU build and a tiny model: that is how the
-tests run it (--engine vllm --dtype bf16 ...).
+Each must exit cleanly, closing its engine: no error or traceback line in its output (a vLLM engine shut
+down asleep makes CuMem print CUDA errors). It prints one PASS/FAIL line per item, the peak memory of each
+phase (the GPUs' used memory, polled with nvidia-smi, all processes; on CPU the processes' resident set),
+the trainer's own peaks (peak_gb/*) from each run's second step (steps 2 and 4: a first step's rollout
+peak holds vLLM's start-up), and "smoke: N passed, M failed". On CPU it runs too, with vLLM's CPU build
+and a tiny model: that is how the tests run it (--engine vllm --dtype bf16 ...).
 """
-import argparse, json, os, shutil, subprocess, sys, threading, time
+import argparse, glob, json, os, re, shutil, subprocess, sys, threading, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -128,6 +129,7 @@ def main(argv=None):
     return len(results) - passed
 
 
+ERROR = re.compile(r"(?i)\berror\b|traceback")  # CuMem's CUDA errors at a sleeping engine's teardown, among others
 STEADY = {2: "the first run's second step, 1 rank", 4: "the resumed run's second step"}  # steps 1, 3: start-ups
 
 
@@ -162,6 +164,10 @@ def checks(run_dir, eval_dir):
     own = bool(pids.get("judge_pids")) and not set(pids["judge_pids"]) & set(pids["sampler_pids"])
     out.append(("the judge's engines in processes of their own", own,
                 f"judge processes {pids.get('judge_pids')}, sampling processes {pids.get('sampler_pids')}"))
+    logs = sorted(glob.glob(os.path.join(os.path.dirname(run_dir), "*.log")))  # each command's stdout and stderr
+    noisy = [line for path in logs for line in open(path).read().splitlines() if ERROR.search(line)]
+    out.append(("clean exits: no error or traceback in any command's output (each closes its engine)",
+                bool(logs) and not noisy, f"{len(noisy)} lines, the first: {noisy[:2]}"))
     steady = [m for m in metrics if m["step"] in STEADY]
     if steady:
         print("  the trainer's peak memory by phase (GiB, peak_gb/*), from each run's second step (a first step's "

@@ -393,3 +393,52 @@ def test_the_judge_sees_each_rejected_sample_and_only_its_A_counts(tiny, tmp_pat
     assert seen[0][3] == template.read_text()
     assert [r["judge"] for r in records] == ["A", "B", None, "C", None]
     assert [r["judged"] for r in records] == [True, False, True, False, False]
+
+
+def fake_cuda(tmp_path, name, mode):
+    """The environment of a process on tests/fake_cuda's driver, GPU 1 visible, `mode` its compute mode; the
+    folder of its contexts."""
+    contexts, fake = tmp_path / name, os.path.join(ROOT, "tests", "fake_cuda")
+    contexts.mkdir()
+    return contexts, {**os.environ, "FAKE_CUDA_DIR": str(contexts), "FAKE_CUDA_MODE": mode,
+                      "CUDA_VISIBLE_DEVICES": "1", "PYTHONPATH": os.pathsep.join([fake, ROOT]),
+                      "PATH": os.pathsep.join([fake, os.environ["PATH"]]), "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.mark.slow  # subprocesses: the CLIs, or a whole training run
+def test_the_judge_on_gpus_that_allow_one_cuda_context(tiny, tmp_path):
+    """EXCLUSIVE_PROCESS compute mode, on a fake driver that enforces its one context per GPU (tests/fake_cuda),
+    with the HF engine on the CPU. eval.py --judge refuses before it generates, naming the mode and both ways
+    out; eval.py without --judge, then --judge-only, judges every rejected sample, from a parent that never made
+    a CUDA context. In the default mode --judge is one command, its sampler's context beside its judge's. Broke
+    before: the eval rank kept its context (set_device), and every judge's process failed as busy."""
+    model, data = str(tiny[0] / "model"), tmp_path / "data"
+    data.mkdir()
+    (data / "math500.jsonl").write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i} + 1?",
+                                                            "answer": "-7"}) + "\n" for i in range(2)))
+    evaluate = [sys.executable, os.path.join(ROOT, "eval.py"), "--model", model, "--data-dir", str(data),
+                "--benchmarks", "math500", "--samples", "2", "--max-tokens", "8", "--engine", "hf", "--dtype", "fp32"]
+    judge = ["--judge", model, "--judge-max-tokens", "2", "--engine", "hf", "--dtype", "fp32"]
+    run = lambda cmd, env: subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)  # noqa
+
+    _, env = fake_cuda(tmp_path, "refused", "Exclusive_Process")
+    r = run(evaluate + judge + ["--out", str(tmp_path / "a")], env)
+    assert r.returncode == 1 and "GPU(s) 1 are in EXCLUSIVE_PROCESS compute mode" in r.stderr, r.stderr[-2000:]
+    assert "nvidia-smi -c DEFAULT" in r.stderr and f"eval.py --judge-only --out {tmp_path / 'a'}" in r.stderr
+    assert not (tmp_path / "a" / "samples.jsonl").exists() and "busy" not in r.stderr  # nothing generated
+
+    _, env = fake_cuda(tmp_path, "sampled", "Exclusive_Process")
+    assert run(evaluate + ["--out", str(tmp_path / "a")], env).returncode == 0
+    contexts, env = fake_cuda(tmp_path, "judged", "Exclusive_Process")
+    r = run([sys.executable, os.path.join(ROOT, "eval.py"), "--judge-only", "--out", str(tmp_path / "a"), *judge], env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    results = json.load(open(tmp_path / "a" / "results.json"))
+    assert (contexts / "1").read_text().split() == [str(pid) for pid in results["judge_pids"]]  # the judge's alone
+    assert all("judged" in s for s in map(json.loads, open(tmp_path / "a" / "samples.jsonl")))  # merged
+
+    contexts, env = fake_cuda(tmp_path, "default", "Default")
+    r = run(evaluate + judge + ["--out", str(tmp_path / "b")], env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    results = json.load(open(tmp_path / "b" / "results.json"))
+    pids = results["sampler_pids"] + results["judge_pids"]
+    assert sorted(map(int, (contexts / "1").read_text().split())) == sorted(pids)  # two contexts, one GPU

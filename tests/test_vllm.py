@@ -9,6 +9,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import types
@@ -110,6 +111,36 @@ def test_real_engine_judge_runs_in_a_process_of_its_own_on_two_ranks(tiny_vllm, 
     assert not set(results["judge_pids"]) & set(results["sampler_pids"])  # the two engines: different processes
 
 
+CLOSE_SPY = """import runpy, sys, torch, rollout
+real = rollout.VLLMEngine.close
+def close(self):
+    print("engine closed; process group alive:", torch.distributed.is_initialized())
+    real(self)
+rollout.VLLMEngine.close = close
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")"""
+
+
+@real_vllm
+@same_worker
+def test_real_engine_is_closed_at_the_end_of_eval_and_training(tiny_vllm, tmp_path):
+    """eval.py and stapo.py close their vLLM engine once, after their last barrier (vLLM's shutdown destroys the
+    process group: it is still alive then), before the interpreter's teardown; neither prints an error or a
+    traceback. Broke before: the engines had no close(), vLLM's finalizer shut them down at the interpreter's exit."""
+    d, _ = tiny_vllm
+    (tmp_path / "math500.jsonl").write_text('{"id": "0", "problem": "What is 1 + 1?", "answer": "2"}\n')
+    programs = [["eval.py", "--model", str(d / "model"), "--data-dir", str(tmp_path), "--benchmarks", "math500",
+                 "--samples", "2", "--max-tokens", "4", "--out", str(tmp_path / "eval")],
+                ["stapo.py", "--model", str(d / "model"), "--dataset", str(d / "train.jsonl"), "--out",
+                 str(tmp_path / "t"), "--prompts-per-step", "2", "--group-size", "2", "--minibatches", "1",
+                 "--max-prompt-len", "64", "--max-response-len", "4", "--steps", "1", "--save-every", "0"]]
+    for program in programs:
+        r = run([sys.executable, "-c", CLOSE_SPY, *program, "--engine", "vllm"])
+        assert r.stdout.count("engine closed; process group alive: True") == 1, (program[0], r.stdout[-2000:])
+        errors = [line for line in r.stderr.splitlines() if re.search(r"(?i)error|traceback|exception", line)]
+        assert not errors, (program[0], errors)
+
+
 @real_vllm
 @same_worker
 @pytest.mark.parametrize("tied,dtype", [(False, "bf16"), (True, "fp32")])
@@ -135,14 +166,15 @@ def test_real_engine_trains_tied_and_untied_models_in_both_dtypes(tied, dtype, t
 @same_worker
 def test_the_gpu_smoke_test_runs_on_cpu(tiny_vllm_tied, tmp_path):
     """examples/gpu_smoke.py, as a user runs it on a new GPU node, here on vLLM's CPU build with a tied tiny
-    model in bf16: 1 rank, then 2 ranks resuming with --eval-every, then eval.py --judge; all items pass."""
+    model in bf16: 1 rank, then 2 ranks resuming with --eval-every, then eval.py --judge; all items pass, their
+    clean exits (no error or traceback in any command's output) among them."""
     d, _ = tiny_vllm_tied
     (tmp_path / "judge.txt").write_text("Q:{question} G:{gold_answer} R:{llm_response} V:")  # a 256-token context
     r = run([sys.executable, os.path.join(ROOT, "examples", "gpu_smoke.py"), "--model", str(d / "model"), "--out",
              str(tmp_path / "smoke"), "--engine", "vllm", "--dtype", "bf16", "--gpus", "2", "--max-prompt-len", "128",
              "--max-tokens", "16", "--judge-prompt", str(tmp_path / "judge.txt")])
-    assert "smoke: 9 passed, 0 failed" in r.stdout, r.stdout[-3000:]
-    assert r.stdout.count("PASS") == 9 and "FAIL" not in r.stdout
+    assert "smoke: 10 passed, 0 failed" in r.stdout, r.stdout[-3000:]
+    assert r.stdout.count("PASS") == 10 and "FAIL" not in r.stdout
 
 
 # ---- the GPU path's order, on a fake --------------------------------------------------------------------
@@ -313,7 +345,10 @@ def test_the_judge_path_builds_one_engine_per_process(tiny, tmp_path, process_gr
     built = [json.loads(x) for x in open(tmp_path / "built.jsonl")]
     assert [(b["pid"] == os.getpid(), b["enable_sleep_mode"]) for b in built] == [(True, True), (False, False)]
     assert [c[0] for c in fake_vllm.CALLS if c[0] in ("LLM", "sleep")] == ["LLM", "sleep"]  # asleep, then judged
-    assert barriers and barriers[0] == len(fake_vllm.CALLS)  # every rank done before the judge's process starts
+    assert barriers and barriers[0] == len(fake_vllm.CALLS) - 2  # every rank done before the judge's process starts
+    # then, after the last barrier, the engine is woken and shut down (vLLM's shutdown destroys the group)
+    assert barriers[-1] == len(fake_vllm.CALLS) - 2 and fake_vllm.CALLS[-2:] == [("wake_up", ("kv_cache", "weights")),
+                                                                                   ("shutdown",)]
     samples = [json.loads(x) for x in open(tmp_path / "out" / "samples.jsonl")]
     assert all("judged" in s for s in samples)  # the fake's "\x01\x02" reply is no verdict, nor a crash
     assert json.load(open(tmp_path / "out" / "results.json"))["judge_pids"] == [built[1]["pid"]]

@@ -10,6 +10,8 @@ the CuMem allocator singleton ("CuMem allocator can only be used for one instanc
 v1/worker/gpu_worker.py:399-401), whose pools any engine's shutdown releases (gpu_worker.py:1628-1634).
 With FAKE_VLLM_LOG set, each build appends {"pid", "model", "enable_sleep_mode"} to that file.
 reset_prefix_cache returns True, as the real one does once no request holds a block (block_pool.py:827-843).
+llm_engine.engine_core.shutdown() is vLLM's shutdown (v1/engine/core_client.py:401-403); it refuses a sleeping
+engine, whose unmapped CuMem memory the real one would free with CUDA errors (device_allocator/cumem.py:204-231).
 Generation returns fixed tokens: the real engine's sampling is tested against vLLM's CPU build.
 """
 import json
@@ -53,6 +55,14 @@ class LLM:
             raise RuntimeError(f"wake_up({sorted(tags)}) on an engine that is not asleep")
         CALLS.append(("wake_up", tuple(sorted(tags))))
         self.asleep -= tags
+
+    @property
+    def llm_engine(self):
+        def shutdown():
+            if self.asleep:
+                raise RuntimeError("shutdown of a sleeping engine: its unmapped memory would be freed")
+            CALLS.append(("shutdown",))
+        return SimpleNamespace(engine_core=SimpleNamespace(shutdown=shutdown))
 
     def collective_rpc(self, method, kwargs=None):
         CALLS.append(("collective_rpc", method, [name for name, _ in kwargs["weights_iterator"]]))
