@@ -420,7 +420,7 @@ class FixedEngine(HFEngine):
 
 def test_degenerate_batches_give_finite_steps(tiny, tmp_path):
     d, tok = tiny
-    args = stapo.get_args(args_for(d, tmp_path, "--method", "stapo"))
+    args = stapo.get_args(args_for(d, tmp_path, "--method", "stapo", "--warmup-steps", "0"))  # step 0 at full lr
     rank, world, device, mesh = parallel.init_distributed()
     policy = stapo.build_policy(args.model, mesh, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
@@ -698,7 +698,7 @@ def test_rollout_is_weights_the_loss_and_is_exact_when_the_sampler_agrees(tiny, 
     rows = [(p, ids(f"\\boxed{{{a}}}" if j < 2 else "\\boxed{99}")) for i, p, a in prompts for j in range(4)]
     valid = torch.ones(16, max(len(r) for _, r in rows), dtype=torch.bool)
     valid &= torch.arange(valid.shape[1]) < torch.tensor([len(r) for _, r in rows])[:, None]
-    args = stapo.get_args(args_for(d, tmp_path, "--minibatches", "1", "--micro-tokens", "4096"))
+    args = stapo.get_args(args_for(d, tmp_path, "--minibatches", "1", "--micro-tokens", "4096", "--warmup-steps", "0"))
     results = {}
     for mode, sampler in [("none", "trainer"), ("token", "trainer"), ("token", "zero")]:
         policy = stapo.build_policy(args.model, mesh, device)
