@@ -6,4 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 . ./setup.sh requirements-dev.txt
+# One thread per process: two workers on two cores; a thread pool per worker spins against the other's
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec python -m pytest -n 2 --dist loadgroup "$@"
