@@ -163,7 +163,8 @@ def test_end_to_end_on_the_toy_model_and_compare(tiny, tmp_path):
 
 
 def test_a_failed_or_killed_judge_loses_nothing_and_a_rerun_judges_only_what_is_missing(tiny, tmp_path):
-    """The judge fails to start: eval.py exits non-zero and says how to finish, every sample and rule verdict on
+    """The judge fails to start (its folder holds no model; a missing folder is refused before sampling):
+    eval.py exits non-zero and says how to finish, every sample and rule verdict on
     disk. A judge process then SIGKILLed after 2 calls of 2 samples keeps those 4 verdicts, and --judge-only
     judges the 8 others, each once, in a new process, and merges them in."""
     model, data, out = str(tiny[0] / "model"), tmp_path / "data", tmp_path / "out"
@@ -175,7 +176,8 @@ def test_a_failed_or_killed_judge_loses_nothing_and_a_rerun_judges_only_what_is_
                 "--benchmarks", "math500,minerva", "--samples", "2", "--max-tokens", "8", "--out", str(out)]
     judge = ["--judge", model, "--judge-max-tokens", "2"]
     run = lambda cmd: subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)  # noqa: E731
-    r = run(evaluate + ["--judge", str(tmp_path / "no_such_judge")])
+    (tmp_path / "broken_judge").mkdir()  # a folder with no model in it: the judge's process fails to load it
+    r = run(evaluate + ["--judge", str(tmp_path / "broken_judge")])
     assert r.returncode == 1 and "12 rejected samples have no verdict" in r.stderr, r.stderr[-2000:]
     assert f"python eval.py --judge-only --out {out} --judge" in r.stderr
     samples = [json.loads(x) for x in open(out / "samples.jsonl")]
