@@ -1,6 +1,6 @@
 """The CPU toy: a tiny Qwen3 learns to add (a + b, a < 100, b < 10) with STAPO, offline, on 2 cores.
 
-    python examples/toy.py [--out runs/toy] [--method stapo|justrl|grpo|entropy20] [--steps 400] [--seed 0]
+    python examples/toy.py [--out runs/toy] [--method stapo|justrl|grpo|entropy20] [--steps 250] [--seed 0]
     python examples/toy.py --method all --out runs/toy4    # the four objectives from one warm start
     python examples/toy_compare.py                         # STAPO against JustRL over seeds (its docstring)
 
@@ -34,16 +34,16 @@ from rollout import HFEngine  # noqa: E402
 
 METHODS = ["stapo", "justrl", "grpo", "entropy20"]
 HELD_OUT = 200
-SFT_STEPS, STEPS = 750, 400  # the warm start's supervised steps, the RL steps
+SFT_STEPS, STEPS, LR, SLIP = 1000, 250, 5e-4, 0.8  # the warm start's steps, RL's steps and lr, the slip
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def sums(hard=False):
-    """The toy's (train, held out) rows: a + b for a < 100 and b < 10, 800 to train on and 200 held out (the
-    same with --hard; only the answer's form changes)."""
-    pairs = [(a, b) for a in range(100) for b in range(10)]
+    """The toy's (train, held out) rows: a + b for a < 100 and 3 <= b < 10, 500 to train on and 200 held out
+    (the same with --hard; only the answer's form changes). Most of them (62%) carry a ten."""
+    pairs = [(a, b) for a in range(100) for b in range(3, 10)]
     random.Random(0).shuffle(pairs)
     as_rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b), "a": a, "b": b} for a, b in pairs]
     return as_rows[:-HELD_OUT], as_rows[-HELD_OUT:]
@@ -59,12 +59,19 @@ def problems(hard=False):
     return as_rows[:-held_out], as_rows[-held_out:]
 
 
-def target(row, hard):
-    """The warm start's answer text: the box alone, or with --hard the sum restated first."""
-    boxed = f"\\boxed{{{row['answer']}}}"
+def target(row, hard, answer=None):
+    """The warm start's answer text (the row's answer, or the one given): the box alone, or with --hard the
+    sum restated first."""
+    answer = row["answer"] if answer is None else answer
+    boxed = f"\\boxed{{{answer}}}"
     if hard:
-        return f"{row['a']} + {row['b']} = {row['answer']}, so the answer is {boxed}"
+        return f"{row['a']} + {row['b']} = {answer}, so the answer is {boxed}"
     return boxed
+
+
+def slipped(row):
+    """The answer with the carry forgotten: the units of a + b, the tens of a (37 + 5 -> 32)."""
+    return str(row["a"] // 10 * 10 + (row["a"] + row["b"]) % 10)
 
 
 def build_tokenizer(path, hard=False):
@@ -100,16 +107,20 @@ def build_model(path, tok, hidden=64, layers=2, tied=False):
     return model
 
 
-def warm_start(model, tok, rows, steps=200, lr=3e-3, hard=False):
-    """A short supervised phase, stopped early: the model learns the format and a first, partial sense
-    of the sums (about a third of the held-out problems right); RL has to do the rest."""
+def warm_start(model, tok, rows, steps=200, lr=3e-3, hard=False, slip=0.0):
+    """A supervised phase on `rows`. With slip > 0 (the toy's), a sum that carries a ten is taught with the
+    carry forgotten (`slipped`) that often: the model learns the format, the sums that do not carry, and to
+    forget the carry, at least on the sums it greedily answers; RL has to teach it to carry. (slip = 0, the
+    tests' small models: a short phase, stopped early.)"""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(1)
     for _ in range(steps):
         ids, labels = [], []
         for r in rng.sample(rows, 16):
             prompt = encode_prompt(tok, r["problem"])
-            answer = tok(target(r, hard) + "<|im_end|>", add_special_tokens=False)["input_ids"]
+            carries = slip > 0 and int(r["answer"]) // 10 != r["a"] // 10
+            wrong = slipped(r) if carries and rng.random() < slip else None
+            answer = tok(target(r, hard, wrong) + "<|im_end|>", add_special_tokens=False)["input_ids"]
             ids.append(prompt + answer)
             labels.append([-100] * len(prompt) + answer)
         n = max(map(len, ids))
@@ -194,7 +205,7 @@ def parse(argv):
     p.add_argument("--out", default="runs/toy", help="the model and each method's run go here")
     p.add_argument("--method", default="stapo", choices=METHODS + ["all"], help="stapo.py's --method, or all four")
     p.add_argument("--steps", type=int, default=STEPS, help="RL steps")
-    p.add_argument("--lr", type=float, default=5e-4, help="the RL learning rate")
+    p.add_argument("--lr", type=float, default=LR, help="the RL learning rate")
     p.add_argument("--prompts", type=int, default=32, help="prompts per step")
     p.add_argument("--minibatches", type=int, default=2, help="optimizer updates per step")
     p.add_argument("--sft-steps", type=int, default=SFT_STEPS, help="the warm start's supervised steps")
@@ -227,7 +238,7 @@ def prepare(a, p=None):
         return AutoTokenizer.from_pretrained(a.base), a.base, held_out
     base = os.path.join(a.out, "base")
     tok = build_tokenizer(base, a.hard)
-    model = warm_start(build_model(base, tok), tok, train, steps=a.sft_steps, hard=a.hard)
+    model = warm_start(build_model(base, tok), tok, train, steps=a.sft_steps, hard=a.hard, slip=SLIP)
     model.save_pretrained(base)
     return tok, base, held_out
 

@@ -146,7 +146,7 @@ def main(argv=None):
     p.add_argument("--methods", default="stapo,justrl", help="comma list of stapo.py's --method")
     p.add_argument("--seeds", default="0,1,2,3,4", help="comma list of the RL runs' seeds")
     p.add_argument("--steps", type=int, default=toy.STEPS, help="RL steps of each run")
-    p.add_argument("--lr", type=float, default=1e-3, help="the RL learning rate")
+    p.add_argument("--lr", type=float, default=toy.LR, help="the RL learning rate")
     p.add_argument("--sft-steps", type=int, default=toy.SFT_STEPS, help="the warm start's supervised steps")
     p.add_argument("--hard", action="store_true", help="the toy's --hard: the sum restated before the box")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time, each one process on one thread")

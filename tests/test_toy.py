@@ -64,18 +64,21 @@ def test_all_four_objectives_from_one_warm_start(tmp_path, capsys):
 
 
 def test_toy_problems_and_answers(tmp_path):
-    """1,000 problems a + b (a < 100, b < 10), 200 held out and never trained on, the same with --hard; --hard
-    restates the sum before the box, and only the box is graded, so a slip in the restatement still scores +1
-    (the room a spurious token needs)."""
+    """700 problems a + b (a < 100, 3 <= b < 10), 200 held out and never trained on, the same with --hard; the
+    warm start's slip forgets the carry; --hard restates the sum before the box, and only the box is graded, so
+    a slip in the restatement still scores +1 (the room a spurious token needs)."""
     from reward import score
     for hard in (False, True):
         train, held_out = toy.sums(hard=hard)
-        assert (len(train), len(held_out)) == (800, 200)
+        assert (len(train), len(held_out)) == (500, 200)
         assert not {r["problem"] for r in train} & {r["problem"] for r in held_out}
-        assert max(r["a"] for r in train + held_out) == 99 and max(r["b"] for r in train + held_out) == 9
+        assert {r["a"] for r in train + held_out} == set(range(100))
+        assert {r["b"] for r in train + held_out} == set(range(3, 10))
     row = next(r for r in train + held_out if (r["a"], r["b"]) == (12, 5))
     assert toy.target(row, hard=True) == "12 + 5 = 17, so the answer is \\boxed{17}"
     assert toy.target(row, hard=False) == "\\boxed{17}"
+    assert [toy.slipped({"a": a, "b": b}) for a, b in ((37, 5), (95, 7), (12, 5))] == ["32", "92", "17"]
+    assert toy.target(row, hard=True, answer="18") == "12 + 5 = 18, so the answer is \\boxed{18}"
     assert score("12 + 6 = 17, so the answer is \\boxed{17}", row["answer"]) == 1
     assert score("12 + 5 = 17, so the answer is \\boxed{18}", row["answer"]) == -1
     tok = toy.build_tokenizer(str(tmp_path / "tok"), hard=True)
