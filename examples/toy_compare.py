@@ -98,7 +98,7 @@ def table(results, before):
 def launch(jobs, at_once):
     """Run each job (command, extra environment, folder) as its own process, at_once of them at a time,
     each on one thread; its output goes to <folder>/run.log."""
-    todo, running = list(jobs), []
+    todo, running = (list(jobs) if at_once else []), []
     while todo or running:
         while todo and len(running) < at_once:
             cmd, extra, folder = todo.pop(0)
@@ -126,13 +126,14 @@ def kernels(a, seeds):
     held-out accuracies, a row per seed."""
     jobs = [(k, s, os.path.join(a.out, f"{k}_s{s}")) for s in seeds for k in KERNELS]
     launch([(toy_command(a, f, "stapo", s), {} if k == "native" else {"ATEN_CPU_CAPABILITY": k}, f)
-            for k, s, f in jobs if not os.path.exists(os.path.join(f, "result.json"))], a.jobs)
-    res = {(k, s): json.load(open(os.path.join(f, "result.json"))) for k, s, f in jobs}
+            for k, s, f in jobs if not os.path.exists(os.path.join(f, "result.json"))], 0 if a.table_only else a.jobs)
+    res = {(k, s): json.load(open(os.path.join(f, "result.json"))) for k, s, f in jobs
+           if os.path.exists(os.path.join(f, "result.json"))}
     lines = ["| seed | " + " | ".join(f"{k}: warm start -> after RL" for k in KERNELS) + " |",
              "|---" * (len(KERNELS) + 1) + "|"]
     for s in seeds:
         lines.append(f"| {s} | " + " | ".join(f"{res[k, s]['before']:.3f} -> {res[k, s]['after']:.3f}"
-                                             for k in KERNELS) + " |")
+                                             if (k, s) in res else "not run" for k in KERNELS) + " |")
     after = [r["after"] for r in res.values()]
     before = [r["before"] for r in res.values()]
     lines.append(f"(after RL: {min(after):.3f} to {max(after):.3f}; warm start: {min(before):.3f} to "
@@ -152,6 +153,8 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=2, help="runs at a time, each one process on one thread")
     p.add_argument("--kernels", action="store_true", help="instead: the toy per seed under each kernel setting "
                    "(ATEN_CPU_CAPABILITY unset, avx2, default), each with its own warm start; a table of accuracies")
+    p.add_argument("--table-only", action="store_true", help="run nothing: the table (and figure) of the runs "
+                   "already finished in --out")
     a = p.parse_args(argv)
     methods, seeds = a.methods.split(","), [int(s) for s in a.seeds.split(",")]
     if a.kernels:
@@ -165,7 +168,8 @@ def main(argv=None):
         toy.prepare(ta)
     jobs = [(m, s, os.path.join(a.out, f"{m}_s{s}")) for s in seeds for m in methods]
     launch([(toy_command(a, f, m, s, base), {}, f) for m, s, f in jobs
-            if not os.path.exists(os.path.join(f, "result.json"))], a.jobs)
+            if not os.path.exists(os.path.join(f, "result.json"))], 0 if a.table_only else a.jobs)
+    jobs = [j for j in jobs if os.path.exists(os.path.join(j[2], "result.json"))]
     before = json.load(open(os.path.join(jobs[0][2], "result.json")))["before"]
     results = {m: [run_metrics(f) for mm, _, f in jobs if mm == m] for m in methods}
     lines = table(results, before)

@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import toy  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves these out
-RL_STEPS, RISE = 100, 0.15  # the shortened run, and the least rise it must show
+RL_STEPS, RISE = 100, 0.1  # the shortened run, and the least rise it must show (docs/toy.md: the test)
 
 
 def test_toy_learns_in_a_shortened_run(tmp_path, capsys):
@@ -118,3 +118,16 @@ def test_a_second_toy_run_into_the_same_out_is_refused_before_the_warm_start(tmp
         toy.main(["--out", str(tmp_path), "--steps", "1"])
     assert "rl/ holds a run: metrics.jsonl logged to step 3" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["rl"]  # no warm start, no train.jsonl
+
+
+def test_compare_interval_and_entropy_rise():
+    """examples/toy_compare.py: the 95% t-interval over seeds, and the entropy rise (the largest rise of the
+    10-step mean above its lowest value before it; 0 for a run whose entropy only falls)."""
+    import toy_compare
+    mean, half = toy_compare.interval([0.8, 0.9, 1.0, 0.9, 0.9])
+    assert abs(mean - 0.9) < 1e-12 and abs(half - 2.776 * (0.005 ** 0.5) / 5 ** 0.5) < 1e-9
+    assert toy_compare.interval([0.5]) == (0.5, None)
+    falling = [{"entropy_mean": 1.0 - i / 100} for i in range(50)]
+    assert toy_compare.entropy_rise(falling) == 0
+    blow_up = falling + [{"entropy_mean": 0.51 + 0.5}] * 10  # from about 0.5 up to 1.01, held for 10 steps
+    assert abs(toy_compare.entropy_rise(blow_up) - (1.01 - sum(1.0 - i / 100 for i in range(40, 50)) / 10)) < 1e-9
