@@ -43,7 +43,7 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 
 def sums(hard=False):
     """The toy's (train, held out) rows: a + b for a < 100 and 3 <= b < 10, 500 to train on and 200 held out
-    (the same with --hard; only the answer's form changes). Most of them (62%) carry a ten."""
+    (the same with --hard; only the answer's form changes). 60% of them carry a ten."""
     pairs = [(a, b) for a in range(100) for b in range(3, 10)]
     random.Random(0).shuffle(pairs)
     as_rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b), "a": a, "b": b} for a, b in pairs]
