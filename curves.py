@@ -177,6 +177,44 @@ def draw_taxonomy(runs, out):
     print(f"wrote {out}")
 
 
+BAND_PANELS = [("Training accuracy", "accuracy", ""), ("Token entropy", "entropy_mean", "nats"),
+               ("S2T's set (A > 0, p < τ_p, H < τ_h)", "s2t_set", "per 10^4 tokens with A ≠ 0"),
+               ("Its share of the gradient, were it kept", "grad_share/silenced_if_kept", "of Σ||∇_a||²")]
+
+
+def band_series(rows, key):
+    """One run's per-step values of a BAND_PANELS key (s2t_set: the taxonomy's spurious group, per 1e4)."""
+    if key == "s2t_set":
+        return [1e4 * (r.get("taxonomy/posA_lowP_lowH/tokens") or 0.0) * r.get("taxonomy/split", 0.0) for r in rows]
+    return [r.get(key) or 0.0 for r in rows]
+
+
+def draw_bands(groups, out, window=10, z=2.776):
+    """groups: {name: [run folders, one per seed]}. Per panel, each group's mean over its runs of the
+    `window`-step mean of a metric, with a band of +-z standard errors (z: Student's t at 97.5% for the
+    group's seeds; 2.776 for 5)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(BAND_PANELS), figsize=(4.2 * len(BAND_PANELS), 3.4))
+    for color, (name, runs) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], groups.items()):
+        rows = [read_jsonl(os.path.join(run, "metrics.jsonl")) for run in runs]
+        n = min(map(len, rows))
+        for ax, (title, key, ylabel) in zip(axes, BAND_PANELS):
+            ys = [smooth(band_series(r[:n], key), window) for r in rows]
+            mean = [sum(col) / len(col) for col in zip(*ys)]
+            half = [z * (sum((v - m) ** 2 for v in col) / max(len(col) - 1, 1)) ** 0.5 / len(col) ** 0.5
+                    for col, m in zip(zip(*ys), mean)]
+            steps = list(range(1, n + 1))
+            ax.plot(steps, mean, color=color, label=f"{name} ({len(runs)} seeds)")
+            ax.fill_between(steps, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
+                            color=color, alpha=0.25)
+            ax.set(title=title, xlabel="step", ylabel=ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run folders (stapo.py --out); NAME=FOLDER names a run")

@@ -1,4 +1,4 @@
-"""The CPU toy learns: a shortened run of examples/toy.py (120 of its 600 steps)."""
+"""The CPU toy learns: a shortened run of examples/toy.py, and its parts."""
 import json
 import os
 
@@ -10,23 +10,44 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import toy  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves these out
+RL_STEPS, RISE = 100, 0.1  # the shortened run, and the least rise it must show (docs/toy.md: the test)
 
 
 def test_toy_learns_in_a_shortened_run(tmp_path, capsys):
-    """The sampled accuracy of training (5,120 samples in each 20 steps) rises, and the greedy held-out
-    accuracy with it. The warm start's held-out figure moves with the CPU's float kernels (20 problems,
-    0.05 each): 0.30 on an AVX-512 machine, 0.45 on an AVX2 one, 0.35 to 0.45 when its initial weights
-    move by 1e-6; so it is bounded, not pinned. Measured here (AVX2): 0.42 -> 0.66 in training, 0.45 ->
-    0.65 held out."""
-    before, after = toy.main(["--out", str(tmp_path), "--steps", "120"])
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == f"toy: accuracy {before:.2f} -> {after:.2f}"
+    """A shortened run of the toy (its warm start, then RL_STEPS of its STEPS): the warm start knows at most
+    half of the 200 held-out sums, RL raises training's sampled accuracy and the held-out greedy accuracy, and
+    the run prints its S2T summary and the path of its curves before the accuracy line. The margins were
+    measured under the three kernel settings of docs/toy.md's table (see RL_STEPS)."""
+    before, after = toy.main(["--out", str(tmp_path), "--steps", str(RL_STEPS)])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == f"toy: accuracy {before:.2f} -> {after:.2f}"
+    assert out[-2] == "held-out accuracy: greedy, on the 200 problems never trained on"
+    assert out[-3] == f"the run's curves: {tmp_path / 'curves.png'}"
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    summary = next(line for line in out if line.startswith("S2T silenced "))
+    assert " response tokens (" in summary and "steps; each is in" in summary
     assert 0 <= before <= 0.5          # the warm start knows the format, and at most half of the sums
     accuracy = [json.loads(line)["accuracy"] for line in open(tmp_path / "rl" / "metrics.jsonl")]
     first, last20 = sum(accuracy[:20]) / 20, sum(accuracy[-20:]) / 20
-    assert last20 >= first + 0.15, (first, last20)  # no learning, or a sign flipped, stays put or falls
-    assert after > before              # and it carries to problems it never trained on
+    assert last20 >= first + RISE, (first, last20)  # no learning, or a sign flipped, stays put or falls
+    assert after >= before + RISE, (before, after)  # and it carries to sums it never trained on
     assert os.path.exists(tmp_path / "rl" / "model" / "config.json")
+
+
+def test_s2t_summary_names_three_tokens_in_context(tmp_path):
+    """The summary's count and fraction come from the run's logs; three tokens (first, middle, last) are
+    shown with p, H and the text around them; a method that silences nothing says so."""
+    os.makedirs(tmp_path / "rl")
+    rows = [{"step": s, "response_len_mean": 10.0, "silenced_frac": 0.0} for s in (1, 2)]
+    (tmp_path / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokens = [{"step": s, "token": t, "p": 0.01, "H": 0.1, "left": "\\boxed{1", "right": "}"}
+              for s, t in ((1, "7"), (1, "8"), (2, "9"), (2, "0"))]
+    (tmp_path / "rl" / "silenced.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tokens))
+    lines = toy.s2t_summary(str(tmp_path / "rl"), "stapo", 64)
+    assert lines[0].startswith("S2T silenced 4 of 1280 response tokens (3.1e-03), in 2 of 2 steps")
+    assert [line.split("[[")[1][0] for line in lines[1:]] == ["7", "9", "0"]
+    assert "p = 0.01, H = 0.1" in lines[1]
+    assert "silences nothing" in toy.s2t_summary(str(tmp_path / "rl"), "justrl", 64)[0]
 
 
 def test_all_four_objectives_from_one_warm_start(tmp_path, capsys):
@@ -42,26 +63,30 @@ def test_all_four_objectives_from_one_warm_start(tmp_path, capsys):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
-def test_hard_toy_problems_and_answers(tmp_path):
-    """--hard: 200 problems with the first addend up to 19, 40 held out and never trained on; the answer
-    restates the sum before the box, and only the box is graded, so a slip in the restatement still
-    scores +1 (the room a spurious token needs). The default toy keeps its 80/20 split of a, b < 10."""
+def test_toy_problems_and_answers(tmp_path):
+    """700 problems a + b (a < 100, 3 <= b < 10), 200 held out and never trained on, the same with --hard; the
+    warm start's slip forgets the carry; --hard restates the sum before the box, and only the box is graded, so
+    a slip in the restatement still scores +1 (the room a spurious token needs)."""
     from reward import score
-    train, held_out = toy.problems(hard=True)
-    assert (len(train), len(held_out)) == (160, 40)
-    assert not {r["problem"] for r in train} & {r["problem"] for r in held_out}
-    assert max(r["a"] for r in train + held_out) == 19 and max(r["b"] for r in train + held_out) == 9
-    row = next(r for r in train if (r["a"], r["b"]) == (12, 5))
+    for hard in (False, True):
+        train, held_out = toy.sums(hard=hard)
+        assert (len(train), len(held_out)) == (500, 200)
+        assert not {r["problem"] for r in train} & {r["problem"] for r in held_out}
+        assert {r["a"] for r in train + held_out} == set(range(100))
+        assert {r["b"] for r in train + held_out} == set(range(3, 10))
+    row = next(r for r in train + held_out if (r["a"], r["b"]) == (12, 5))
     assert toy.target(row, hard=True) == "12 + 5 = 17, so the answer is \\boxed{17}"
     assert toy.target(row, hard=False) == "\\boxed{17}"
+    assert [toy.slipped({"a": a, "b": b}) for a, b in ((37, 5), (95, 7), (12, 5))] == ["32", "92", "17"]
+    assert toy.target(row, hard=True, answer="18") == "12 + 5 = 18, so the answer is \\boxed{18}"
     assert score("12 + 6 = 17, so the answer is \\boxed{17}", row["answer"]) == 1
     assert score("12 + 5 = 17, so the answer is \\boxed{18}", row["answer"]) == -1
-    easy_train, easy_held_out = toy.problems()
-    assert (len(easy_train), len(easy_held_out)) == (80, 20)
-    assert max(r["a"] for r in easy_train + easy_held_out) == 9
     tok = toy.build_tokenizer(str(tmp_path / "tok"), hard=True)
     assert tok.decode(tok(toy.target(row, hard=True))["input_ids"]) == toy.target(row, hard=True)
-    assert "1" in tok.tokenize("17") and "7" in tok.tokenize("17")  # one token per digit
+    assert tok.tokenize("108") == ["1", "0", "8"]  # one token per digit
+    small_train, small_held_out = toy.problems()  # the tests' fixtures warm-start on these, as before
+    assert (len(small_train), len(small_held_out)) == (80, 20)
+    assert max(r["a"] for r in small_train + small_held_out) == 9
 
 
 def test_seed_reaches_the_trainer_and_nothing_else_changes(tmp_path, monkeypatch):
@@ -93,3 +118,16 @@ def test_a_second_toy_run_into_the_same_out_is_refused_before_the_warm_start(tmp
         toy.main(["--out", str(tmp_path), "--steps", "1"])
     assert "rl/ holds a run: metrics.jsonl logged to step 3" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["rl"]  # no warm start, no train.jsonl
+
+
+def test_compare_interval_and_entropy_rise():
+    """examples/toy_compare.py: the 95% t-interval over seeds, and the entropy rise (the largest rise of the
+    10-step mean above its lowest value before it; 0 for a run whose entropy only falls)."""
+    import toy_compare
+    mean, half = toy_compare.interval([0.8, 0.9, 1.0, 0.9, 0.9])
+    assert abs(mean - 0.9) < 1e-12 and abs(half - 2.776 * (0.005 ** 0.5) / 5 ** 0.5) < 1e-9
+    assert toy_compare.interval([0.5]) == (0.5, None)
+    falling = [{"entropy_mean": 1.0 - i / 100} for i in range(50)]
+    assert toy_compare.entropy_rise(falling) == 0
+    blow_up = falling + [{"entropy_mean": 0.51 + 0.5}] * 10  # from about 0.5 up to 1.01, held for 10 steps
+    assert abs(toy_compare.entropy_rise(blow_up) - (1.01 - sum(1.0 - i / 100 for i in range(40, 50)) / 10)) < 1e-9

@@ -1,0 +1,185 @@
+"""STAPO against JustRL on the CPU toy, seeded: what silencing does, measured over seeds.
+
+    python examples/toy_compare.py --out runs/compare                      # stapo and justrl, seeds 0-4
+    python examples/toy_compare.py --out runs/c --methods stapo,justrl,grpo --seeds 5,6,7,8,9 --hard --lr 2e-3
+    python examples/toy_compare.py --kernels --seeds 0,1,2 --out runs/kernels   # docs/toy.md's robustness table
+
+One warm start (examples/toy.py's, built once), then one `examples/toy.py --base` process per objective and
+seed, --jobs of them at a time, each with OMP_NUM_THREADS=1. Every run's folder is <out>/<method>_s<seed>
+(its log in run.log). A run already finished there (its result.json) is not run again, so a stopped
+comparison continues where it stopped. Then it prints one table, the mean and a 95% t-interval over seeds of:
+  held-out accuracy       greedy, on the toy's 200 problems never trained on
+  final entropy           the mean token entropy of the last 10 steps
+  entropy rise            the run's largest rise of its 10-step mean entropy above its lowest value so far
+                          (a blow-up after a fall; 0 when it only falls)
+  S2T's set, per 1e4      the tokens S2T flags (A > 0, p < tau_p, H < tau_h), per 10^4 response tokens with
+                          A != 0 (taxonomy/posA_lowP_lowH/tokens x taxonomy/split), over the run; and over its
+                          first and last quarter of steps: what becomes of such tokens as training goes on
+  grad share (%)          S2T's set's share of the sum of ||grad_a||^2 the loss applies (grad_share/silenced:
+                          0 under STAPO, which silences it), and what it would be were the set kept
+                          (grad_share/silenced_if_kept), the mean over steps
+and draws <out>/bands.png: each objective's mean over seeds with a band (the 95% t-interval) per step.
+"""
+import argparse, json, math, os, subprocess, sys, time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+import curves  # noqa: E402
+import toy  # noqa: E402
+
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 19: 2.093, 29: 2.045}  # Student's t, 97.5%
+SPURIOUS = "taxonomy/posA_lowP_lowH/tokens"
+KERNELS = ["native", "avx2", "default"]  # ATEN_CPU_CAPABILITY: unset, avx2, default
+
+
+def interval(xs):
+    """(mean, half-width of the 95% t-interval) over seeds; the half-width is None for one value."""
+    n, mean = len(xs), sum(xs) / len(xs)
+    if n < 2:
+        return mean, None
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    return mean, T975.get(n - 1, 1.96) * sd / math.sqrt(n)
+
+
+def spurious_rate(rows):
+    """Per step: S2T's set as a fraction of the step's response tokens with A != 0."""
+    return [(r.get(SPURIOUS) or 0.0) * r.get("taxonomy/split", 0.0) for r in rows]
+
+
+def entropy_rise(rows, window=10):
+    """The largest rise of the run's `window`-step mean entropy above its lowest value before it."""
+    h = curves.smooth([r["entropy_mean"] for r in rows], window)
+    low, rise = float("inf"), 0.0
+    for x in h:
+        low = min(low, x)
+        rise = max(rise, x - low)
+    return rise
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def run_metrics(folder):
+    """One run's row of figures, from its result.json and rl/metrics.jsonl."""
+    rows = curves.read_jsonl(os.path.join(folder, "rl", "metrics.jsonl"))
+    result = json.load(open(os.path.join(folder, "result.json")))
+    rate, q = spurious_rate(rows), max(len(rows) // 4, 1)
+    return {
+        "held-out accuracy": result["after"],
+        "final entropy": mean(r["entropy_mean"] for r in rows[-10:]),
+        "entropy rise": entropy_rise(rows),
+        "S2T's set per 1e4": 1e4 * mean(rate),
+        "… first quarter": 1e4 * mean(rate[:q]),
+        "… last quarter": 1e4 * mean(rate[-q:]),
+        "grad share (%)": 100 * mean(r.get("grad_share/silenced") for r in rows),
+        "… if kept (%)": 100 * mean(r.get("grad_share/silenced_if_kept") for r in rows),
+    }
+
+
+def table(results, before):
+    """Markdown: a row per objective, mean ± half-width over its seeds in each column."""
+    columns = list(next(iter(results.values()))[0])
+    lines = [f"| objective (seeds) | {' | '.join(columns)} |", "|---" * (len(columns) + 1) + "|"]
+    for method, runs in results.items():
+        cells = []
+        for c in columns:
+            m, h = interval([r[c] for r in runs])
+            digits = 3 if c in ("held-out accuracy", "final entropy", "entropy rise") else 2
+            cells.append(f"{m:.{digits}f}" + (f" ± {h:.{digits}f}" if h is not None else ""))
+        lines.append(f"| {method} ({len(runs)}) | {' | '.join(cells)} |")
+    lines.append(f"(the warm start: {before:.3f} held out; ± is the 95% t-interval over seeds)")
+    return lines
+
+
+def launch(jobs, at_once):
+    """Run each job (command, extra environment, folder) as its own process, at_once of them at a time,
+    each on one thread; its output goes to <folder>/run.log."""
+    todo, running = (list(jobs) if at_once else []), []
+    while todo or running:
+        while todo and len(running) < at_once:
+            cmd, extra, folder = todo.pop(0)
+            env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **extra)
+            os.makedirs(folder, exist_ok=True)
+            log = open(os.path.join(folder, "run.log"), "w")
+            running.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), folder))
+            print(f"started {folder} {' '.join(f'{k}={v}' for k, v in extra.items())}", flush=True)
+        time.sleep(2)
+        for proc, folder in [r for r in running if r[0].poll() is not None]:
+            running.remove((proc, folder))
+            print(f"{folder}: exit {proc.returncode}", flush=True)
+            if proc.returncode:
+                sys.exit(f"{folder} failed: see {folder}/run.log")
+
+
+def toy_command(a, folder, method, seed, base=None):
+    return [sys.executable, os.path.join(HERE, "toy.py"), "--out", folder, "--method", method, "--seed", str(seed),
+            "--steps", str(a.steps), "--lr", str(a.lr), "--sft-steps", str(a.sft_steps), "--no-figure"] + \
+        (["--base", base] if base else []) + (["--hard"] if a.hard else [])
+
+
+def kernels(a, seeds):
+    """--kernels: the whole toy (its warm start included) per seed under each kernel setting; the table of
+    held-out accuracies, a row per seed."""
+    jobs = [(k, s, os.path.join(a.out, f"{k}_s{s}")) for s in seeds for k in KERNELS]
+    launch([(toy_command(a, f, "stapo", s), {} if k == "native" else {"ATEN_CPU_CAPABILITY": k}, f)
+            for k, s, f in jobs if not os.path.exists(os.path.join(f, "result.json"))], 0 if a.table_only else a.jobs)
+    res = {(k, s): json.load(open(os.path.join(f, "result.json"))) for k, s, f in jobs
+           if os.path.exists(os.path.join(f, "result.json"))}
+    lines = ["| seed | " + " | ".join(f"{k}: warm start -> after RL" for k in KERNELS) + " |",
+             "|---" * (len(KERNELS) + 1) + "|"]
+    for s in seeds:
+        lines.append(f"| {s} | " + " | ".join(f"{res[k, s]['before']:.3f} -> {res[k, s]['after']:.3f}"
+                                             if (k, s) in res else "not run" for k in KERNELS) + " |")
+    after = [r["after"] for r in res.values()]
+    before = [r["before"] for r in res.values()]
+    lines.append(f"(after RL: {min(after):.3f} to {max(after):.3f}; warm start: {min(before):.3f} to "
+                 f"{max(before):.3f}; greedy on 200 held-out problems; native = this CPU's default kernels)")
+    return lines
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/compare", help="the warm start and each run's folder go here")
+    p.add_argument("--methods", default="stapo,justrl", help="comma list of stapo.py's --method")
+    p.add_argument("--seeds", default="0,1,2,3,4", help="comma list of the RL runs' seeds")
+    p.add_argument("--steps", type=int, default=toy.STEPS, help="RL steps of each run")
+    p.add_argument("--lr", type=float, default=toy.LR, help="the RL learning rate")
+    p.add_argument("--sft-steps", type=int, default=toy.SFT_STEPS, help="the warm start's supervised steps")
+    p.add_argument("--hard", action="store_true", help="the toy's --hard: the sum restated before the box")
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time, each one process on one thread")
+    p.add_argument("--kernels", action="store_true", help="instead: the toy per seed under each kernel setting "
+                   "(ATEN_CPU_CAPABILITY unset, avx2, default), each with its own warm start; a table of accuracies")
+    p.add_argument("--table-only", action="store_true", help="run nothing: the table (and figure) of the runs "
+                   "already finished in --out")
+    a = p.parse_args(argv)
+    methods, seeds = a.methods.split(","), [int(s) for s in a.seeds.split(",")]
+    if a.kernels:
+        lines = kernels(a, seeds)
+        print("\n".join(lines))
+        open(os.path.join(a.out, "kernels.md"), "w").write("\n".join(lines) + "\n")
+        return lines
+    base = os.path.join(a.out, "base")
+    ta = toy.parse(["--out", a.out, "--sft-steps", str(a.sft_steps), "--method", methods[0]] + (["--hard"] if a.hard else []))[1]
+    if not os.path.exists(os.path.join(base, "model.safetensors")):
+        toy.prepare(ta)
+    jobs = [(m, s, os.path.join(a.out, f"{m}_s{s}")) for s in seeds for m in methods]
+    launch([(toy_command(a, f, m, s, base), {}, f) for m, s, f in jobs
+            if not os.path.exists(os.path.join(f, "result.json"))], 0 if a.table_only else a.jobs)
+    jobs = [j for j in jobs if os.path.exists(os.path.join(j[2], "result.json"))]
+    before = json.load(open(os.path.join(jobs[0][2], "result.json")))["before"]
+    results = {m: [run_metrics(f) for mm, _, f in jobs if mm == m] for m in methods}
+    lines = table(results, before)
+    print("\n".join(lines))
+    with open(os.path.join(a.out, "table.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    groups = {m: [os.path.join(f, "rl") for mm, _, f in jobs if mm == m] for m in methods}
+    print(f"the figure: {curves.draw_bands(groups, os.path.join(a.out, 'bands.png'))}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
