@@ -48,7 +48,7 @@ class StepMetrics:
     def __init__(self, step, tok=None, analysis=None):
         self.step, self.tok, self.silenced = step, tok, []  # with a tokenizer, silenced tokens are kept
         self.sums, self.analysis = dict.fromkeys(SUMS, 0.0), analysis  # analysis.TokenAnalysis, or None
-        self.candidates, self.tau_h, self.grad_norm, self.head_norm, self.peaks = 0, [], [], [], {}
+        self.candidates, self.tau_h, self.norms, self.peaks = 0, [], [], {}
         self.is_min, self.is_max, self.t0 = float("inf"), float("-inf"), time.time()
 
     def add(self, **counts):
@@ -82,13 +82,10 @@ class StepMetrics:
 
     def loss_stats(self, st):
         """stapo_loss's clip fractions, as counts (a rank's micro-batches differ in size)."""
-        kept = st["kept"]
-        self.add(kept=kept, clip_low=st["clip_low"] * kept, clip_high=st["clip_high"] * kept)
+        self.add(kept=st["kept"], clip_low=st["clip_low"] * st["kept"], clip_high=st["clip_high"] * st["kept"])
 
     def minibatch(self, method, s2t, norms, rows, idx):
-        """An update's S2T counts and its two gradient norms (the whole model's, the LM head's)."""
-        self.grad_norm.append(norms[0])
-        self.head_norm.append(norms[1])
+        self.norms.append(norms)  # the update's gradient norms: the whole model's, the LM head's
         self.add(silenced=s2t["silenced"].sum() if method == "stapo" else 0)
         self.candidates += s2t["pooled"]
         self.tau_h += [s2t["tau_h"]] if s2t["tau_h"] is not None else []
@@ -98,11 +95,11 @@ class StepMetrics:
     def finish(self, lr, probe_gap, group_size):
         """The step's row of metrics.jsonl (the same on every rank), and this rank's silenced tokens."""
         n, analysed, top, is_min = over_ranks(self)
-        row = {"step": self.step + 1, **rollout_row(n, top[0], group_size), **s2t_row(self, n), "lr": lr}
-        row.update(grad_norm=sum(self.grad_norm) / len(self.grad_norm), lm_head_grad_norm=self.head_norm)
-        row.update(sync_row(n, top[1], probe_gap))
-        row.update(resources_row(self, n["tokens"], top[3:]), **importance_row(n, is_min, top[2]))
-        row.update(self.analysis.row(analysed) if self.analysis else {})
+        grad, head = zip(*self.norms)
+        row = {"step": self.step + 1, **rollout_row(n, top[0], group_size), **s2t_row(self, n), "lr": lr,
+               "grad_norm": sum(grad) / len(grad), "lm_head_grad_norm": list(head)}
+        row.update(sync_row(n, top[1], probe_gap), **resources_row(self, n["tokens"], top[3:]))
+        row.update(importance_row(n, is_min, top[2]), **(self.analysis.row(analysed) if self.analysis else {}))
         return row, self.silenced
 
 
