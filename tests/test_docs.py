@@ -122,6 +122,40 @@ def test_importing_a_module_starts_no_thread_pool_or_exit_hook():
     assert len(counts) == len(MODULES) and all(c[1:] == ["0", "0"] for c in counts), counts
 
 
+def test_no_function_or_class_is_over_60_lines():
+    """One idea per unit: a function or class of more than 60 lines is split (the checker's parser aside, a
+    recursive-descent grammar that reads as one). A unit grown past the limit fails here."""
+    import ast
+    long = []
+    for path in MODULES:
+        tree = ast.parse(open(os.path.join(ROOT, path)).read())
+        units = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        parser = [range(n.lineno, n.end_lineno + 1) for n in units if n.name == "_Parser"]
+        for node in units:
+            if node.end_lineno - node.lineno >= 60 and not any(node.lineno in lines for lines in parser):
+                long.append(f"{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []
+
+
+def test_every_flag_has_a_help_line():
+    """`--help` tells a user what each flag does: every add_argument of the modules, the examples and the
+    benchmarks carries help text (stapo.py's flags get theirs from FLAGS and SWITCHES)."""
+    import ast
+    import glob
+    paths = MODULES + glob.glob(os.path.join(ROOT, "examples", "*.py")) + glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))
+    bare = []
+    for path in paths:
+        tree = ast.parse(open(os.path.join(ROOT, path)).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+                if not any(k.arg == "help" for k in node.keywords):
+                    bare.append(f"{os.path.relpath(os.path.join(ROOT, path), ROOT)}:{node.lineno}")
+    assert bare == []
+    import stapo
+    assert all(text for flags in stapo.FLAGS.values() for _, _, text, *_ in flags)
+    assert all(stapo.SWITCHES.values())
+
+
 def flag_rows(path, heading, column):
     """The first table under `heading` in a markdown page: {the flags its `column` names: the row}."""
     lines = open(os.path.join(ROOT, path)).read().split(heading, 1)[1].splitlines()
