@@ -213,6 +213,12 @@ def test_bad_arguments(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", "x", "--benchmarks", "gsm8k"],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and "unknown ['gsm8k']" in r.stderr
+    # a missing judge template: refused before any sampling (it was read in the judges, a traceback at the end)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", str(tmp_path), "--judge",
+                        str(tmp_path), "--judge-prompt", str(tmp_path / "judge.txt")], capture_output=True, text=True,
+                       cwd=ROOT)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and f"--judge-prompt {tmp_path / 'judge.txt'}: no such" in lines[0]
 
 
 @pytest.mark.slow  # subprocesses: the CLIs, or a whole training run
