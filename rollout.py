@@ -10,6 +10,8 @@ The trainer and eval.py speak to an engine through four calls (and engine.close(
 HFEngine decodes with a transformers model (CPU, tests, small runs); VLLMEngine is colocated vLLM 0.32 (GPU, and
 vLLM's CPU build). Both follow vLLM's seeding rule: a sample's noise depends on neither the batch nor the rank.
 Its logits do on a GPU, unless VLLM_BATCH_INVARIANT=1; on the CPU engines (HF on CPU, vLLM's CPU build) not.
+vLLM's CPU build has no sleep mode (VLLMEngine.sleep() does nothing there), runs eager, without chunked prefill
+(seeded requests fail under it on CPU), and emulates bf16, slower.
 """
 import importlib.util
 import logging
@@ -122,9 +124,7 @@ class VLLMEngine:
     process for the life of the process: vLLM keeps process-wide state for one engine (its rotary cache,
     its CuMem allocator; docs/evaluation.md). On GPU: asleep at level 2 while the trainer works (every
     sync re-pushes all weights, so none are backed up in host memory); fp32 dot products in Triton's
-    attention are true fp32. vLLM's CPU build has no sleep mode: sleep() does nothing, eager mode, and no
-    chunked prefill (seeded requests fail under it on CPU); its bf16 is emulated and slower.
-    """
+    attention are true fp32. On vLLM's CPU build see the module's docstring."""
 
     def __init__(self, model, tok, max_model_len, gpu_memory_utilization, for_training=True, dtype=None):
         from vllm import LLM
@@ -150,11 +150,10 @@ class VLLMEngine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
-        """Free the trainer's cached blocks, wake the weights, reload them in place, wake the KV cache, and
-        drop the prefix cache: KV computed with the old weights must never be reused. The tensors come one
-        at a time, ideally already in self.dtype on this device; `reload_weights` takes HF names, maps them
-        onto vLLM's fused layers and re-runs the post-load processing of each layer that received a name
-        (the CPU build's repacking too): a tied lm_head must come under its own name as well."""
+        """Free the trainer's cached blocks, wake the weights, reload them in place, wake the KV cache and
+        drop the prefix cache (KV of old weights must never be reused). Tensors come one at a time, ideally
+        in self.dtype here; `reload_weights` maps HF names onto vLLM's fused layers, re-running each named
+        layer's post-load processing (CPU repacking too): a tied lm_head must come under its own name too."""
         if self.cuda:
             torch.cuda.empty_cache()
         if self.asleep:
@@ -177,6 +176,9 @@ class VLLMEngine:
         if self.cuda:
             self.llm.sleep(level=2)
             self.asleep = True
+
+    def close(self):
+        close_vllm(self)
 
 
 ENGINE_PIDS = []  # the process that built this process's vLLM engine
@@ -271,5 +273,3 @@ def close_vllm(engine):
         engine.llm.llm_engine.engine_core.shutdown()
         engine.llm, engine.asleep = None, False
 
-
-VLLMEngine.close = close_vllm  # out of the class, at its 60 lines

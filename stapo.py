@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import os
+from contextlib import closing
 from dataclasses import dataclass
 
 import torch
@@ -388,7 +389,7 @@ def train(args):
         reporter = Reporter(args.report_to, args.out, config)
     progress = dict(desc="stapo", initial=start, total=args.steps, disable=rank != 0)
     stop_at_step_end = StopAtStepEnd(args.out, args.save_every, args.keep_ckpts, args.prompts_per_step)
-    with stop_at_step_end as stop:  # SIGTERM or SIGINT: a checkpoint at the step's end, then the exit
+    with closing(engine), stop_at_step_end as stop:  # SIGTERM, SIGINT: a checkpoint at the step's end, the exit
         for step in tqdm(range(start, args.steps), **progress):
             per_step, minibatches = args.prompts_per_step, args.minibatches
             prompts = step_prompts(data, step, per_step, minibatches, args.seed, rank, world)
@@ -406,9 +407,8 @@ def train(args):
                          "entropy_mean", "grad_norm", "step_s")
                 tqdm.write(" ".join(f"{k}={metrics[k]:.4g}" for k in shown))
             stop.end_of_step(step + 1, policy, opt, tok, rank)  # a checkpoint; after a signal, the exit
-    save_hf(policy, tok, os.path.join(args.out, "model"), rank)
-    dist.barrier()
-    engine.close()  # after the last collective: vLLM's shutdown destroys the process group
+        save_hf(policy, tok, os.path.join(args.out, "model"), rank)
+        dist.barrier()  # the last collective: the engine's close, on any exit, destroys vLLM's process group
     return policy
 
 

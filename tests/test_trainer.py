@@ -827,9 +827,11 @@ def test_the_lm_heads_gradient_norm_is_logged_per_update(tiny, tmp_path, monkeyp
 def test_a_signal_during_a_save_stops_at_that_steps_end(tiny, tmp_path, monkeypatch, capsys):
     """SIGTERM while step 2's --save-every checkpoint is written: the run stops after step 2, with that checkpoint,
     not after step 3 (a check made only before the save would see the signal a step late). The handler prints
-    nothing: it only records."""
+    nothing: it only records. The engine is closed on this exit too (once: a vLLM engine left asleep at exit
+    makes CuMem print CUDA errors)."""
     d, _ = tiny
-    real_save = checkpoint.save_checkpoint
+    real_save, closed = checkpoint.save_checkpoint, []
+    monkeypatch.setattr(rollout.HFEngine, "close", lambda self: closed.append(self))
 
     def save_and_get_signalled(*a, **k):
         real_save(*a, **k)
@@ -842,6 +844,7 @@ def test_a_signal_during_a_save_stops_at_that_steps_end(tiny, tmp_path, monkeypa
     assert checkpoint.checkpoints(str(tmp_path)) == [2]
     assert signal.getsignal(signal.SIGTERM) == before  # the trainer's handler is gone with the run
     assert "SIGTERM" not in capsys.readouterr().err
+    assert len(closed) == 1
 
 
 @pytest.mark.slow
