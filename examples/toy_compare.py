@@ -18,7 +18,8 @@ comparison continues where it stopped. Then it prints one table, the mean and a 
   grad share (%)          S2T's set's share of the sum of ||grad_a||^2 the loss applies (grad_share/silenced:
                           0 under STAPO, which silences it), and what it would be were the set kept
                           (grad_share/silenced_if_kept), the mean over steps
-and draws <out>/bands.png: each objective's mean over seeds with a band (the 95% t-interval) per step.
+with a last row for the first two objectives' difference, seed by seed (paired: a seed's runs share the warm
+start, the data order and the samples' seeds), and draws <out>/bands.png: each objective's mean over seeds with a band (the 95% t-interval) per step.
 """
 import argparse, json, math, os, subprocess, sys, time
 
@@ -91,6 +92,11 @@ def table(results, before):
             digits = 3 if c in ("held-out accuracy", "final entropy", "entropy rise") else 2
             cells.append(f"{m:.{digits}f}" + (f" ± {h:.{digits}f}" if h is not None else ""))
         lines.append(f"| {method} ({len(runs)}) | {' | '.join(cells)} |")
+    first, second = list(results)[:2] if len(results) > 1 else (None, None)
+    if first and len(results[first]) == len(results[second]) > 1:  # seed by seed: the runs share data and samples
+        cells = [interval([a[c] - b[c] for a, b in zip(results[first], results[second])]) for c in columns]
+        lines.append(f"| {first} − {second}, paired by seed | " + " | ".join(f"{m:+.3f} ± {h:.3f}" for m, h in cells)
+                     + " |")
     lines.append(f"(the warm start: {before:.3f} held out; ± is the 95% t-interval over seeds)")
     return lines
 

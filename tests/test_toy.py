@@ -131,3 +131,7 @@ def test_compare_interval_and_entropy_rise():
     assert toy_compare.entropy_rise(falling) == 0
     blow_up = falling + [{"entropy_mean": 0.51 + 0.5}] * 10  # from about 0.5 up to 1.01, held for 10 steps
     assert abs(toy_compare.entropy_rise(blow_up) - (1.01 - sum(1.0 - i / 100 for i in range(40, 50)) / 10)) < 1e-9
+    rows = {"stapo": [{"acc": 0.9}, {"acc": 0.8}, {"acc": 1.0}], "justrl": [{"acc": 0.7}, {"acc": 0.8}, {"acc": 0.9}]}
+    lines = toy_compare.table(rows, 0.4)
+    paired = toy_compare.interval([0.2, 0.0, 0.1])  # seed by seed; unpaired, the interval would be wider
+    assert lines[-2] == f"| stapo − justrl, paired by seed | {paired[0]:+.3f} ± {paired[1]:.3f} |"
