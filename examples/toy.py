@@ -1,6 +1,6 @@
 """The CPU toy: a tiny Qwen3 learns to carry (a + b, a < 100, 3 <= b < 10) with STAPO, offline, on 2 cores.
 
-    python examples/toy.py [--out runs/toy] [--method stapo|justrl|grpo|entropy20] [--steps 250] [--seed 0]
+    python examples/toy.py [--out runs/toy] [--method stapo|justrl|grpo|entropy20] [--steps 350] [--seed 0]
     python examples/toy.py --method all --out runs/toy4    # the four objectives from one warm start
     python examples/toy_compare.py                         # STAPO against JustRL over seeds (its docstring)
 
@@ -35,7 +35,7 @@ from rollout import HFEngine  # noqa: E402
 
 METHODS = ["stapo", "justrl", "grpo", "entropy20"]
 HELD_OUT = 200
-SFT_STEPS, STEPS, LR, SLIP = 1000, 250, 5e-4, 0.8  # the warm start's steps, RL's steps and lr, the slip
+SFT_STEPS, STEPS, LR, SLIP = 1000, 350, 5e-4, 0.8  # the warm start's steps, RL's steps and lr, the slip
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
