@@ -19,7 +19,8 @@ comparison continues where it stopped. Then it prints one table, the mean and a 
                           0 under STAPO, which silences it), and what it would be were the set kept
                           (grad_share/silenced_if_kept), the mean over steps
 with a last row for the first two objectives' difference, seed by seed (paired: a seed's runs share the warm
-start, the data order and the samples' seeds), and draws <out>/bands.png: each objective's mean over seeds with a band (the 95% t-interval) per step.
+start, the data order and the samples' seeds); and draws <out>/bands.png: each objective's mean over seeds
+with a band (the 95% t-interval) per step.
 """
 import argparse, json, math, os, subprocess, sys, time
 
@@ -93,10 +94,11 @@ def table(results, before):
             cells.append(f"{m:.{digits}f}" + (f" ± {h:.{digits}f}" if h is not None else ""))
         lines.append(f"| {method} ({len(runs)}) | {' | '.join(cells)} |")
     first, second = list(results)[:2] if len(results) > 1 else (None, None)
-    if first and len(results[first]) == len(results[second]) > 1:  # seed by seed: the runs share data and samples
-        cells = [interval([a[c] - b[c] for a, b in zip(results[first], results[second])]) for c in columns]
-        lines.append(f"| {first} − {second}, paired by seed | " + " | ".join(f"{m:+.3f} ± {h:.3f}" for m, h in cells)
-                     + " |")
+    if first and len(results[first]) == len(results[second]) > 1:  # seed by seed: they share data and samples
+        pairs = list(zip(results[first], results[second]))
+        cells = [interval([a[c] - b[c] for a, b in pairs]) for c in columns]
+        row = " | ".join(f"{m:+.3f} ± {h:.3f}" for m, h in cells)
+        lines.append(f"| {first} − {second}, paired by seed | {row} |")
     lines.append(f"(the warm start: {before:.3f} held out; ± is the 95% t-interval over seeds)")
     return lines
 
