@@ -137,13 +137,8 @@ def main(argv=None):
     a.sources = dict(x.split("=", 1) for x in a.source if "=" in x)
     if len(a.sources) != len(a.source) or any(n not in BENCHMARKS for n in a.sources):
         p.error(f"--source: expected NAME=FILE with NAME one of {list(BENCHMARKS)}, got {a.source}")
-    own_group = not dist.is_initialized()
     rank, world, device, _ = init_distributed(use_cuda=not a.judge_only)  # --judge-only: CUDA in its judges only
-    try:
-        judge_share(a, device) if a.judge_shard else run(a, names, temperature, top_p, rank, world, device)
-    finally:
-        if own_group and dist.is_initialized():  # a process group alive at exit can abort the process
-            dist.destroy_process_group()
+    judge_share(a, device) if a.judge_shard else run(a, names, temperature, top_p, rank, world, device)
 
 
 def load_engine(a, model, device, max_model_len, memory):

@@ -10,6 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import eval as ev  # noqa: E402
+from parallel import run_program  # noqa: E402  as eval.py's own __main__: it ends the process group
 
 
 def main(after, argv):
@@ -26,4 +27,4 @@ def main(after, argv):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2:])
+    run_program(lambda: main(int(sys.argv[1]), sys.argv[2:]))
