@@ -125,8 +125,8 @@ def main(argv=None):
         if model:
             require_model(model, flag)
     if a.judge_prompt and not os.path.isfile(a.judge_prompt):  # else read only in the judges, after sampling
-        p.error(f"--judge-prompt {a.judge_prompt}: no such file (a template with {{question}}, {{gold_answer}} "
-                "and {llm_response})")
+        p.error(f"--judge-prompt {a.judge_prompt}: no such file (a template with {{question}}, "
+                "{gold_answer} and {llm_response})")
     names = list(BENCHMARKS) if a.benchmarks == "all" else a.benchmarks.split(",")
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:

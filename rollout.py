@@ -10,8 +10,8 @@ The trainer and eval.py speak to an engine through four calls (and engine.close(
 HFEngine decodes with a transformers model (CPU, tests, small runs); VLLMEngine is colocated vLLM 0.32 (GPU, and
 vLLM's CPU build). Both follow vLLM's seeding rule: a sample's noise depends on neither the batch nor the rank.
 Its logits do on a GPU, unless VLLM_BATCH_INVARIANT=1; on the CPU engines (HF on CPU, vLLM's CPU build) not.
-vLLM's CPU build has no sleep mode (VLLMEngine.sleep() does nothing there), runs eager, without chunked prefill
-(seeded requests fail under it on CPU), and emulates bf16, slower.
+vLLM's CPU build has no sleep mode (VLLMEngine.sleep() does nothing there), runs eager, without chunked
+prefill (seeded requests fail under it on CPU), and emulates bf16, slower.
 """
 import importlib.util
 import logging

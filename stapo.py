@@ -389,7 +389,7 @@ def train(args):
         reporter = Reporter(args.report_to, args.out, config)
     progress = dict(desc="stapo", initial=start, total=args.steps, disable=rank != 0)
     stop_at_step_end = StopAtStepEnd(args.out, args.save_every, args.keep_ckpts, args.prompts_per_step)
-    with closing(engine), stop_at_step_end as stop:  # SIGTERM, SIGINT: a checkpoint at the step's end, the exit
+    with closing(engine), stop_at_step_end as stop:  # a signal: a checkpoint at the step's end, then the exit
         for step in tqdm(range(start, args.steps), **progress):
             per_step, minibatches = args.prompts_per_step, args.minibatches
             prompts = step_prompts(data, step, per_step, minibatches, args.seed, rank, world)
