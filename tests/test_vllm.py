@@ -177,6 +177,25 @@ def test_the_gpu_smoke_test_runs_on_cpu(tiny_vllm_tied, tmp_path):
     assert r.stdout.count("PASS") == 10 and "FAIL" not in r.stdout
 
 
+def test_the_gpu_smoke_test_reports_a_missing_sampler_gap_as_missing(tmp_path, capsys):
+    """The HF engine reports no sampler log-probs: the smoke test's step lines say so, never a gap of 0 (which
+    reads as a perfect match), and the item's FAIL names the reason; a gap over the tolerance fails without it."""
+    spec = importlib.util.spec_from_file_location("gpu_smoke", os.path.join(ROOT, "examples", "gpu_smoke.py"))
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"dtype": "bf16", "device": "cpu"}))
+    for gap, says in ((None, "none reported"), (1.0, "mean 1.00e+00 max 1.00e+00")):
+        step = {"sync_probe_gap_mean": 1e-7, "sync_probe_gap": 1e-6, "logprob_gap_mean": gap, "logprob_gap_max": gap}
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, **step}) + "\n" for i in (1, 2, 3, 4)))
+        items = dict((name, (ok, detail)) for name, ok, detail in smoke.checks(str(run_dir), str(tmp_path / "eval")))
+        printed = capsys.readouterr().out
+        assert printed.count(f"sampler gap {says}") == 4 and "0.00e+00" not in printed, printed
+        ok, detail = items["the sampler-trainer gap within the same tolerance every step"]
+        assert not ok and ("reports no sampler log-probs" in detail) == (gap is None), detail
+
+
 # ---- the GPU path's order, on a fake --------------------------------------------------------------------
 
 @pytest.fixture
