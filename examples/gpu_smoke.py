@@ -177,10 +177,10 @@ def checks(run_dir, eval_dir):
         peaks = {k[8:]: round(v, 2) for k, v in m.items() if k.startswith("peak_gb/")}
         print(f"    step {m['step']}, {STEADY[m['step']]}: {peaks}")
     for m in metrics:
-        sampler = "none reported" if m["logprob_gap_mean"] is None else \
+        gap = "none reported" if m["logprob_gap_mean"] is None else \
             f"mean {m['logprob_gap_mean']:.2e} max {m['logprob_gap_max']:.2e}"
         print(f"  step {m['step']}: probe gap mean {m['sync_probe_gap_mean']:.2e} max {m['sync_probe_gap']:.2e}, "
-              f"sampler gap {sampler}")
+              f"sampler gap {gap}")
     return out
 
 

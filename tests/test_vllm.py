@@ -177,12 +177,11 @@ def test_the_gpu_smoke_test_runs_on_cpu(tiny_vllm_tied, tmp_path):
     assert r.stdout.count("PASS") == 10 and "FAIL" not in r.stdout
 
 
-def test_the_gpu_smoke_test_reports_a_missing_sampler_gap_as_missing(tmp_path, capsys):
+def test_the_gpu_smoke_test_reports_a_missing_sampler_gap_as_missing(tmp_path, capsys, monkeypatch):
     """The HF engine reports no sampler log-probs: the smoke test's step lines say so, never a gap of 0 (which
     reads as a perfect match), and the item's FAIL names the reason; a gap over the tolerance fails without it."""
-    spec = importlib.util.spec_from_file_location("gpu_smoke", os.path.join(ROOT, "examples", "gpu_smoke.py"))
-    smoke = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(smoke)
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    smoke = importlib.import_module("gpu_smoke")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.json").write_text(json.dumps({"dtype": "bf16", "device": "cpu"}))
