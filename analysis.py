@@ -50,7 +50,6 @@ def entropy_change(logp, entropy, weight):
     return -weight * logp.exp() * (logp + entropy)
 
 
-
 def token_groups(low_p, adv, entropy, valid, tau_h):
     """{group: bool mask [N, T]} of the valid tokens with A != 0, H split at tau_h (S2T's threshold of the
     mini-batch); with low_p = p < tau_p, the SPURIOUS group is exactly s2t_mask's silenced set."""
@@ -59,22 +58,23 @@ def token_groups(low_p, adv, entropy, valid, tau_h):
     return {g: m & valid for g, m in zip(GROUPS, masks)}
 
 
-def analyse(analysis, logp, stats, s2t, mb, batch, w=None):
-    """One mini-batch into `analysis` (a TokenAnalysis): the norm of the gradient the loss applies to each
-    token's logits, and of the one it would apply with S2T's set kept (under stapo, every valid token back at
-    its weight); each token's policy-gradient norm and entropy change (the paper's identity and lemma, with
-    w = ratio * A, before the clips and S2T). mb: the mini-batch's idx, keep and denom; w: --rollout-is's
-    weights (None: off), already in mb.keep."""
-    ent, collision = stats.unbind(-1)
-    old, valid = batch.old_logp[mb.idx], batch.valid[mb.idx]
-    adv = batch.adv[mb.idx, None].expand_as(logp)
-    unsilenced = mb.keep if analysis.method != "stapo" else valid.float() if w is None else valid * w
+def analyse(analysis, logp, entropy, collision, old_logp, adv, valid, keep, denom, silenced, candidates,
+            tau_h, w=None):
+    """One mini-batch into `analysis` (a TokenAnalysis), from plain [n, T] tensors: the current policy's log
+    p, H and sum pi^2, the old log p, the advantages adv [n], the valid mask, the loss's keep and denominator,
+    S2T's silenced set, its candidates and tau_h (None: no candidate on any rank), and --rollout-is's weights
+    w (None: off), already in keep. Adds the norm of the gradient the loss applies to each token's logits, and
+    of the one it would apply with S2T's set kept (under stapo, every valid token back at its weight); each
+    token's policy-gradient norm and entropy change (the paper's identity and lemma, with w = ratio * A,
+    before the clips and S2T)."""
+    adv = adv[:, None].expand_as(logp)
+    unsilenced = keep if analysis.method != "stapo" else valid.float() if w is None else valid * w
     norm = lambda w: logit_gradient_norm(logp, collision, w, analysis.temperature)  # noqa: E731
-    applied, if_kept = (loss_token_weight(logp, old, adv, keep, mb.denom, *analysis.clip)
-                        for keep in (mb.keep, unsilenced))
-    weight = (logp - old).exp() * adv  # ratio * A
-    tokens = (norm(applied), norm(if_kept), norm(weight), entropy_change(logp, ent, weight))
-    analysis.add(s2t, logp.exp() < analysis.tau_p, adv, valid, tokens)
+    applied, if_kept = (loss_token_weight(logp, old_logp, adv, k, denom, *analysis.clip)
+                        for k in (keep, unsilenced))
+    weight = (logp - old_logp).exp() * adv  # ratio * A
+    tokens = (norm(applied), norm(if_kept), norm(weight), entropy_change(logp, entropy, weight))
+    analysis.add(silenced, candidates, tau_h, entropy, logp.exp() < analysis.tau_p, adv, valid, tokens)
 
 
 class TokenAnalysis:
@@ -92,18 +92,18 @@ class TokenAnalysis:
         keys = [*[f"g2/{k}" for k in SHARES], "g2/silenced_if_kept", "nonzero", "split"]
         self.sums = dict.fromkeys(keys + [f"{g}/{k}" for g in GROUPS for k in ("n", "norm", "dH")], 0.0)
 
-    def add(self, s2t, low_p, adv, valid, tokens):
-        """tokens: [N, T] norms of the applied gradient, of the gradient were S2T's set kept, of the
-        policy-gradient term (w = ratio * A), and the entropy change."""
+    def add(self, silenced, candidates, tau_h, entropy, low_p, adv, valid, tokens):
+        """S2T's silenced set, its candidates, tau_h and the entropies it split; low_p = p < tau_p; tokens:
+        [N, T] norms of the applied gradient, of the gradient were S2T's set kept, of the policy-gradient
+        term (w = ratio * A), and the entropy change."""
         applied, if_kept, norm, change = tokens
-        silenced, candidates = s2t["silenced"], s2t["candidates"]
         parts = [silenced, candidates & ~silenced, valid & ~candidates]
         add = {f"g2/{k}": applied[m].square().sum() for k, m in zip(SHARES, parts)}
         add["g2/silenced_if_kept"] = if_kept[silenced].square().sum()
         add["nonzero"] = (valid & (adv != 0)).sum()
-        if s2t["tau_h"] is not None:
+        if tau_h is not None:
             add["split"] = add["nonzero"]
-            for g, m in token_groups(low_p, adv, s2t["entropy"], valid, s2t["tau_h"]).items():
+            for g, m in token_groups(low_p, adv, entropy, valid, tau_h).items():
                 add.update({f"{g}/n": m.sum(), f"{g}/norm": norm[m].sum(), f"{g}/dH": change[m].sum()})
         for key, value in add.items():
             self.sums[key] += float(value)

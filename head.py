@@ -5,7 +5,7 @@ import torch
 
 
 class ChunkedHead(torch.autograd.Function):
-    """log p(token), with H and sum(pi^2) of each position, from hidden states.
+    """log p(token), with H of each position and, when asked (collision=True), sum(pi^2), from hidden states.
 
     The forward takes `chunk` tokens at a time, one [chunk, V] fp32 logits buffer (and its exp).
     The backward recomputes the logits a slice of the vocabulary at a time, [M, V'] with M * V' no
@@ -15,9 +15,9 @@ class ChunkedHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, temperature, chunk_size):
-        logp, logz = (hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(2))
-        stats = hidden.new_empty(len(hidden), 2, dtype=torch.float32)  # H, sum pi^2
+    def forward(ctx, hidden, weight, tokens, temperature, chunk_size, collision=False):
+        logp, logz, entropy = (hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(3))
+        sum_sq = hidden.new_empty(len(hidden) if collision else 0, dtype=torch.float32)  # sum pi^2, if asked
         rows = min(chunk_size, len(hidden))  # three [chunk, V] buffers, reused by every chunk
         buffers = [hidden.new_empty(rows, len(weight), dtype=torch.float32) for _ in range(3)]
         for i in range(0, len(hidden), chunk_size):
@@ -31,16 +31,17 @@ class ChunkedHead(torch.autograd.Function):
             log_total = total.log()
             logz[j] = top[:, 0] + log_total
             logp[j] = z.gather(-1, tokens[j, None])[:, 0] - log_total
-            stats[j, 0] = log_total - torch.mul(e, z, out=product).sum(-1) / total  # -sum pi log pi
-            e.square_()  # pi^2 total^2
-            stats[j, 1] = e.sum(-1) / total ** 2
+            entropy[j] = log_total - torch.mul(e, z, out=product).sum(-1) / total  # -sum pi log pi
+            if collision:
+                e.square_()  # pi^2 total^2
+                sum_sq[j] = e.sum(-1) / total ** 2
         ctx.save_for_backward(hidden, weight, tokens, logz)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.mark_non_differentiable(stats)
-        return logp, stats
+        ctx.mark_non_differentiable(entropy, sum_sq)
+        return logp, entropy, sum_sq
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_stats):
+    def backward(ctx, grad_logp, _grad_entropy, _grad_sum_sq):
         hidden, weight, tokens, logz = ctx.saved_tensors
         h, temperature = hidden.to(weight.dtype), ctx.temperature
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
@@ -59,7 +60,7 @@ class ChunkedHead(torch.autograd.Function):
             g = g.to(weight.dtype)
             torch.mm(g.T, h, out=grad_w[v:v + width])  # this slice of the lm_head gradient, once
             grad_h += g @ w  # in fp32: the sum over the slices
-        return grad_h.to(hidden.dtype), grad_w, None, None, None
+        return grad_h.to(hidden.dtype), grad_w, None, None, None, None
 
 
 def token_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, chunk_size=128):
@@ -70,5 +71,5 @@ def token_logprobs_and_entropy(hidden, weight, tokens, temperature=1.0, chunk_si
     Works in chunks, so the [M, V] logits (let alone their fp32 log-softmax) never exist; equal to
     log_softmax(hidden @ weight.T / T) gathered at tokens, in values and gradients.
     """
-    logp, stats = ChunkedHead.apply(hidden, weight, tokens, float(temperature), chunk_size)
-    return logp, stats[:, 0]
+    logp, entropy, _ = ChunkedHead.apply(hidden, weight, tokens, float(temperature), chunk_size)
+    return logp, entropy

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from parallel import all_reduce_numbers
 
 SUMS = ("samples", "correct", "reward", "flat_groups", "tokens", "valid", "entropy", "truncated",
-        "gap_n", "gap", "silenced", "kept", "clip_low", "clip_high", "is_n", "is_sum")
+        "gap_n", "gap", "silenced", "kept", "clip_low", "clip_high", "is_n", "is_sum", "skipped")
 
 
 def memory_peak():
@@ -50,6 +50,7 @@ class StepMetrics:
         self.sums, self.analysis = dict.fromkeys(SUMS, 0.0), analysis  # analysis.TokenAnalysis, or None
         self.candidates, self.tau_h, self.norms, self.peaks = 0, [], [], {}
         self.is_min, self.is_max, self.t0 = float("inf"), float("-inf"), time.time()
+        self.longest, self.gap_max, self.t_rollout = 0, 0.0, 0.0  # the longest response, the largest gap
 
     def add(self, **counts):
         accumulate(self.sums, counts)
@@ -67,11 +68,11 @@ class StepMetrics:
         self.longest, self.t_rollout = max(len(s.tokens) for s in samples), time.time() - self.t0
         self.peak("rollout")
 
-    def old_policy(self, batch):
-        """The old policy's entropy; |sampler log p - trainer log p| (it jumps if a sync breaks)."""
-        valid, old_ent = batch.valid, batch.old_stats[..., 0]
-        gap = torch.zeros(0) if batch.sampler is None else (batch.sampler - batch.old_logp)[valid].abs()
-        self.add(valid=valid.sum(), entropy=old_ent[valid].sum(), gap_n=gap.numel(), gap=gap.sum())
+    def old_policy(self, valid, old, sampler):
+        """The old policy's entropy (old: its TokenStats); |sampler log p - trainer log p| (it jumps if a sync
+        breaks; sampler None: the engine reports no log-probs)."""
+        gap = torch.zeros(0) if sampler is None else (sampler - old.logp)[valid].abs()
+        self.add(valid=valid.sum(), entropy=old.entropy[valid].sum(), gap_n=gap.numel(), gap=gap.sum())
         self.gap_max = float(gap.max()) if gap.numel() else 0.0
         self.peak("old_policy")
 
@@ -80,35 +81,53 @@ class StepMetrics:
         self.add(is_n=rho.numel(), is_sum=rho.sum())
         self.is_min, self.is_max = min(self.is_min, float(rho.min())), max(self.is_max, float(rho.max()))
 
-    def loss_stats(self, st):
-        """stapo_loss's clip fractions, as counts (a rank's micro-batches differ in size)."""
-        self.add(kept=st["kept"], clip_low=st["clip_low"] * st["kept"], clip_high=st["clip_high"] * st["kept"])
+    def loss_stats(self, stats):
+        """An update's stapo_loss statistics, one dict of tensors per micro-batch, read from the device at
+        once: the clip fractions as counts (a rank's micro-batches differ in size)."""
+        counts = torch.stack([torch.stack([st[k].double() for k in ("kept", "clip_low", "clip_high")])
+                              for st in stats])
+        for kept, low, high in counts.tolist():
+            self.add(kept=kept, clip_low=low * kept, clip_high=high * kept)
 
-    def minibatch(self, method, s2t, norms, rows, idx):
+    def skipped(self, norm):
+        """An update skipped: its gradient norm was not finite (the weights stay as they were)."""
+        self.add(skipped=1)
+        if dist.get_rank() == 0:
+            print(f"step {self.step + 1}: the gradient norm is {norm}; this update is skipped",
+                  file=sys.stderr)
+
+    def minibatch(self, method, s2t, norms, rows, idx, now):
+        """A mini-batch's update: its gradient norms, S2T's counts, and its silenced tokens (now: the
+        TokenStats S2T judged them by)."""
         self.norms.append(norms)  # the update's gradient norms: the whole model's, the LM head's
-        self.add(silenced=s2t["silenced"].sum() if method == "stapo" else 0)
-        self.candidates += s2t["pooled"]
-        self.tau_h += [s2t["tau_h"]] if s2t["tau_h"] is not None else []
+        self.add(silenced=s2t.silenced.sum() if method == "stapo" else 0)
+        self.candidates += s2t.n_candidates
+        self.tau_h += [s2t.tau_h] if s2t.tau_h is not None else []
         if self.tok is not None and method == "stapo":
-            self.silenced += silenced_records(self.step, self.tok, rows, idx, s2t)
+            self.silenced += silenced_records(self.step, self.tok, rows, idx, s2t.silenced, now)
 
     def finish(self, lr, probe_gap, group_size):
         """The step's row of metrics.jsonl (the same on every rank), and this rank's silenced tokens."""
         n, analysed, top, is_min = over_ranks(self)
         grad, head = zip(*self.norms)
-        row = {"step": self.step + 1, **rollout_row(n, top[0], group_size), **s2t_row(self, n), "lr": lr,
-               "grad_norm": sum(grad) / len(grad), "lm_head_grad_norm": list(head)}
-        row.update(sync_row(n, top[1], probe_gap), **resources_row(self, n["tokens"], top[3:]))
-        row.update(importance_row(n, is_min, top[2]), **(self.analysis.row(analysed) if self.analysis else {}))
+        row = {"step": self.step + 1, **rollout_row(n, top["longest"], group_size), **s2t_row(self, n),
+               "lr": lr, "grad_norm": sum(grad) / len(grad), "lm_head_grad_norm": list(head),
+               "skipped_updates": int(n["skipped"])}
+        peaks = [top[f"peak_gb/{phase}"] for phase in self.peaks]
+        row.update(sync_row(n, top["gap_max"], probe_gap), **resources_row(self, n["tokens"], peaks))
+        row.update(importance_row(n, is_min, top["is_max"]))
+        row.update(self.analysis.row(analysed) if self.analysis else {})
         return row, self.silenced
 
 
 def over_ranks(m):
-    """A step's sums over all ranks (its own and the analysis's), its maxima (the longest response, the
-    largest gap and rollout-IS ratio, the memory peaks) and the smallest rollout-IS ratio."""
+    """A step's sums over all ranks (its own and the analysis's), its maxima by name (the longest response,
+    the largest gap and rollout-IS ratio, each phase's memory peak) and the smallest rollout-IS ratio."""
     analysis = m.analysis.sums if m.analysis else {}
     summed = all_reduce_numbers(*m.sums.values(), *analysis.values())
-    top = all_reduce_numbers(m.longest, m.gap_max, m.is_max, *m.peaks.values(), op=dist.ReduceOp.MAX)
+    maxima = {"longest": m.longest, "gap_max": m.gap_max, "is_max": m.is_max,
+              **{f"peak_gb/{phase}": gb for phase, gb in m.peaks.items()}}
+    top = dict(zip(maxima, all_reduce_numbers(*maxima.values(), op=dist.ReduceOp.MAX)))
     is_min = all_reduce_numbers(m.is_min, op=dist.ReduceOp.MIN)[0]
     return dict(zip(SUMS, summed)), dict(zip(analysis, summed[len(SUMS):])), top, is_min
 
@@ -168,10 +187,11 @@ def importance_row(n, is_min, is_max):
     return {"rollout_is_min": is_min, "rollout_is_mean": n["is_sum"] / n["is_n"], "rollout_is_max": is_max}
 
 
-def silenced_records(step, tok, rows, idx, s2t):
-    """One record per silenced token: the token, its p and H, and 40 characters either side."""
-    records, logp, ent = [], s2t["logp"], s2t["entropy"]
-    for i, t in s2t["silenced"].nonzero().tolist():
+def silenced_records(step, tok, rows, idx, silenced, now):
+    """One record per silenced token: the token, its p and H (now: the TokenStats S2T judged by), and 40
+    characters either side."""
+    records, logp, ent = [], now.logp, now.entropy
+    for i, t in silenced.nonzero().tolist():
         response = rows[idx[i]][1]
         records.append({
             "step": step + 1,

@@ -1,7 +1,9 @@
 """policy.py: the policy the trainer trains, and its passes over a batch. A causal LM sharded by FSDP2 whose
-forward gives each response token's log p and the head's statistics (head.ChunkedHead: never the full
-logits), built from a checkpoint read once; and the micro-batched passes of stapo.py's step over it.
+forward gives each response token's log p and entropy (head.ChunkedHead: never the full logits), built from a
+checkpoint read once; and the micro-batched passes of stapo.py's step over it.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -15,20 +17,20 @@ from parallel import all_reduce_numbers
 # ---- the model -----------------------------------------------------------------------------------
 
 class Policy(torch.nn.Module):
-    """A causal LM whose forward gives log p and the head's [M, 2] statistics (H, sum pi^2) of the
-    response tokens, never the full logits."""
+    """A causal LM whose forward gives log p, H and, if asked, sum pi^2 ([M] each) of the response tokens,
+    never the full logits."""
 
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
 
-    def forward(self, ids, response, temperature):
+    def forward(self, ids, response, temperature, collision=False):
         """ids are right-padded, so causal attention alone never lets a real token see a pad: no
         mask is needed, and attention runs the fused causal kernel (no [T, T] mask or scores)."""
         h = self.lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
         at = response[:, 1:]  # the hidden state at t predicts token t + 1
         weight = self.lm.get_output_embeddings().weight
-        return ChunkedHead.apply(h[:, :-1][at], weight, ids[:, 1:][at], float(temperature), 128)
+        return ChunkedHead.apply(h[:, :-1][at], weight, ids[:, 1:][at], float(temperature), 128, collision)
 
 
 def refuse_unusual_head(lm, path):
@@ -40,7 +42,7 @@ def refuse_unusual_head(lm, path):
         odd.append("an lm_head bias")
     if odd:
         raise ValueError(f"--model {path}: its logits are not hidden @ lm_head.weight "
-                         f"({', '.join(odd)}); stapo.Policy would compute wrong log-probs for it, "
+                         f"({', '.join(odd)}); policy.Policy would compute wrong log-probs for it, "
                          "so it is refused")
 
 
@@ -101,9 +103,31 @@ def micro_batches(rows, idx, budget):
     return out + [None] * (count - len(out))
 
 
-def response_logprobs(policy, rows, idx, valid, temperature):
-    """The policy's one forward path: log p [len(idx), R] of the response tokens of samples idx
-    (zero outside `valid`), with the graph, and the head's statistics [len(idx), R, 2]."""
+@dataclass
+class TokenStats:
+    """The policy at each response token of some samples: [n, R] tensors, zero at padding."""
+    logp: torch.Tensor              # log p of the sampled token (with the graph from response_logprobs)
+    entropy: torch.Tensor           # H at its position, in nats (no graph)
+    collision: torch.Tensor = None  # sum pi^2 there (no graph): only when asked, for stapo.py --analysis
+
+    @staticmethod
+    def zeros(shape, device, collision=False):
+        new = lambda: torch.zeros(shape, device=device)  # noqa: E731
+        return TokenStats(new(), new(), new() if collision else None)
+
+    def __getitem__(self, rows):
+        collision = None if self.collision is None else self.collision[rows]
+        return TokenStats(self.logp[rows], self.entropy[rows], collision)
+
+    def __setitem__(self, rows, part):
+        self.logp[rows], self.entropy[rows] = part.logp, part.entropy
+        if self.collision is not None:
+            self.collision[rows] = part.collision
+
+
+def response_logprobs(policy, rows, idx, valid, temperature, collision=False):
+    """The policy's one forward path: the TokenStats [len(idx), R] of the response tokens of samples idx
+    (zero outside `valid`), log p with the graph."""
     device = valid.device
     seqs = [rows[i][0] + rows[i][1] for i in idx]
     ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
@@ -111,22 +135,20 @@ def response_logprobs(policy, rows, idx, valid, temperature):
     for k, (i, s) in enumerate(zip(idx, seqs)):
         ids[k, :len(s)] = torch.tensor(s)
         response[k, len(rows[i][0]):len(s)] = True
-    logp, stats = policy(ids.to(device), response.to(device), temperature)
+    logp, entropy, sum_sq = policy(ids.to(device), response.to(device), temperature, collision)
     v = valid[idx]
-    padded = torch.zeros(*v.shape, 2, device=device)
-    padded[v] = stats
-    return torch.zeros(v.shape, device=device).masked_scatter(v, logp), padded
+    padded = lambda x: torch.zeros(v.shape, device=device).masked_scatter(v, x)  # noqa: E731
+    return TokenStats(padded(logp), padded(entropy), padded(sum_sq) if collision else None)
 
 
 @torch.no_grad()
-def measure(policy, rows, idx, valid, micro_tokens, temperature):
-    """response_logprobs of mini-batch idx without a graph, in the micro-batches update() runs it
-    in: the same shapes, so the same numbers for the same weights."""
-    logp = torch.zeros(len(idx), valid.shape[1], device=valid.device)
-    stats = torch.zeros(len(idx), valid.shape[1], 2, device=valid.device)
+def token_stats(policy, rows, idx, valid, micro_tokens, temperature, collision=False):
+    """The TokenStats of mini-batch idx without a graph (its log p, H and, if asked, sum pi^2), computed in
+    the micro-batches stapo.update runs it in: the same shapes, so the same numbers for the same weights."""
+    out = TokenStats.zeros((len(idx), valid.shape[1]), valid.device, collision)
     at = {i: k for k, i in enumerate(idx)}
-    for mb in micro_batches(rows, idx, micro_tokens):
-        out = response_logprobs(policy, rows, mb or idx[:1], valid, temperature)
-        if mb:
-            logp[[at[i] for i in mb]], stats[[at[i] for i in mb]] = out
-    return logp, stats
+    for micro in micro_batches(rows, idx, micro_tokens):
+        part = response_logprobs(policy, rows, micro or idx[:1], valid, temperature, collision)
+        if micro:  # None: this rank has fewer micro-batches than another, and runs one sample for nothing
+            out[[at[i] for i in micro]] = part
+    return out

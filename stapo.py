@@ -3,7 +3,9 @@
     torchrun --nproc_per_node 8 stapo.py --model Qwen/Qwen3-8B-Base     (also one CPU process, or several)
 
 The paper's algorithm is stapo_core.py (pure functions, torch only: copy it freely). This file runs it with
-FSDP2, read top to bottom: the flags, then one step (train_step: Algorithm 1), the weight sync, and main.
+FSDP2, read top to bottom: the flags; one step (train_step: Algorithm 1), then what it calls, in the order
+it calls it; the weight sync; and main (train). What is not the paper's sits behind a flag and one call: the
+token analysis (analysis.py), rollout-IS (rollout_is.py), the in-training evaluation (evaluation.py).
 """
 import argparse
 import json
@@ -11,6 +13,7 @@ import math
 import os
 from contextlib import closing
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,10 +26,11 @@ from evaluation import PRESETS as EVAL_PRESETS, EvalOptions, evaluate_during_tra
 from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after
 from parallel import (UserError, all_reduce_numbers, check_shared_out, gather, gather_cat, init_distributed,
                       refuse_used_out, require_model, run_program)
-from policy import build_policy, head_grad_norm, measure, micro_batches, response_logprobs
+from policy import TokenStats, build_policy, head_grad_norm, micro_batches, response_logprobs, token_stats
 from problems import encode_problems, load_problems, probe_tokens, seed_of, step_prompts
 from reward import score_all
 from rollout import compute_dtype, full_params, make_engine, sampler_logprobs
+from rollout_is import rollout_is_weights
 from stapo_core import group_advantages, quantile, s2t_candidates, s2t_mask, s2t_threshold, stapo_loss
 
 
@@ -85,8 +89,8 @@ FLAGS = {
         ("rollout_is_mode", "truncate", "above the cap: truncate the weight, or mask the token",
          ["truncate", "mask"]),
         ("eval_every", 0, "evaluate every N steps (0: never)"),
-        ("eval_preset", "train", "the evaluation's temperature and top-p, one of eval.PRESETS (the paper's "
-         "two settings; train, eval.py's default: 1.0 and 1.0)", list(EVAL_PRESETS)),
+        ("eval_preset", "train", "the evaluation's temperature and top-p, one of evaluation.PRESETS (the "
+         "paper's two settings; train, eval.py's default: 1.0 and 1.0)", list(EVAL_PRESETS)),
         ("eval_benchmarks", "aime24,math500", "comma list of eval.py's benchmarks"),
         ("eval_max_tokens", 20480, "the evaluation's response limit"),
         ("eval_samples", 0, "samples per problem (0: eval.py's k per benchmark)"),
@@ -117,137 +121,7 @@ def get_args(argv=None):
     return p.parse_args(argv)
 
 
-# ---- one step ------------------------------------------------------------------------------------
-
-@dataclass
-class Batch:
-    """One step's samples on this rank, as the trainer holds them: [N, R] tensors over the responses."""
-    rows: list                  # (prompt ids, response ids) of each sample
-    valid: torch.Tensor         # [N, R] bool: a response token, not padding
-    adv: torch.Tensor           # [N] the group advantage of each sample
-    sampler: torch.Tensor       # [N, R] the sampler's log p of each token (vLLM), or None
-    old_logp: torch.Tensor      # [N, R] log p under the policy that sampled (step 4 fills it)
-    old_stats: torch.Tensor     # [N, R, 2] the head's statistics there: H, sum pi^2
-
-
-def make_batch(prompts, groups, adv, device):
-    """The step's samples, padded to the longest response."""
-    samples = [s for group in groups for s in group]
-    rows = [(p, s.tokens) for (_, p, _), group in zip(prompts, groups) for s in group]
-    lengths = torch.tensor([len(s.tokens) for s in samples])
-    valid = (torch.arange(max(1, int(lengths.max()))) < lengths[:, None]).to(device)
-    old = torch.zeros(valid.shape, device=device)
-    stats = torch.zeros(*valid.shape, 2, device=device)
-    return Batch(rows, valid, adv.to(device), sampler_logprobs(samples, valid), old, stats)
-
-
-def spurious_tokens(logp, ent, adv, valid, tau_p, q):
-    """S2T on a mini-batch, with one tau_h over the candidates of all ranks. Computed under every
-    objective: STAPO silences these tokens; the token analysis measures them under the others."""
-    candidates = s2t_candidates(logp, adv, valid, tau_p)
-    pooled = gather_cat(ent[candidates])
-    tau_h = s2t_threshold(pooled, q)
-    silenced = s2t_mask(logp, ent, adv, valid, tau_p, q, tau_h)  # none pooled: none here
-    tau_h = None if tau_h is None else float(tau_h)
-    return {"candidates": candidates, "silenced": silenced, "pooled": len(pooled), "tau_h": tau_h,
-            "logp": logp, "entropy": ent}
-
-
-def token_weights(method, ent, valid, s2t):
-    """Per-token weights `keep` and their global denominator, for each objective the paper
-    compares. Thresholds are computed over the whole mini-batch on all ranks."""
-    if method == "grpo":  # token mean per sequence, then mean over sequences
-        keep = valid / valid.sum(1, keepdim=True).clamp(min=1)
-        return keep, all_reduce_numbers(len(valid))[0]
-    if method == "justrl":  # every response token
-        keep = valid
-    if method == "entropy20":  # the top 20% entropy tokens
-        keep = valid & (ent >= quantile(gather_cat(ent[valid]), 0.8).to(ent.device))
-    if method == "stapo":  # every response token but the silenced
-        keep = valid & ~s2t["silenced"]
-    return keep, all_reduce_numbers(keep.sum())[0]
-
-
-def clip_settings(args):
-    """(eps_low, eps_high, clip_c) of the objective: GRPO clips symmetrically, with no dual clip."""
-    if args.method == "grpo":
-        return args.eps_low, args.eps_low, None
-    return args.eps_low, args.eps_high, args.clip_c
-
-
-@dataclass
-class MiniBatch:
-    idx: list                   # its samples (rows of the Batch), shortest first
-    keep: torch.Tensor          # [n, R] each token's weight in the loss (0: padded or silenced)
-    denom: float                # the kept count over all ranks: the loss's denominator
-
-
-def train_minibatch(policy, opt, batch, idx, first, args, record):
-    """Step 5 of Algorithm 1 on one mini-batch: the current policy's p and H, S2T (the mask M), the token
-    weights, an update."""
-    if first:  # no update yet: the current policy is the old one
-        logp, stats = batch.old_logp[idx], batch.old_stats[idx]
-    else:
-        logp, stats = measure(policy, batch.rows, idx, batch.valid, args.micro_tokens, args.temperature)
-    record.peak("forward")
-    s2t = spurious_tokens(logp, stats[..., 0], batch.adv[idx], batch.valid[idx], args.tau_p, args.q)
-    keep, denom = token_weights(args.method, stats[..., 0], batch.valid[idx], s2t)
-    w = sampler_weights(batch, idx, args, record)  # --rollout-is (not the paper's); None without it
-    mb = MiniBatch(idx, keep if w is None else keep * w, denom)
-    if record.analysis:  # --analysis (not the paper's): measures the mini-batch, changes nothing
-        analyse(record.analysis, logp, stats, s2t, mb, batch, w)
-    norms = update(policy, opt, batch, mb, args, record)
-    record.minibatch(args.method, s2t, norms, batch.rows, idx)
-
-
-def update(policy, opt, batch, mb, args, record):
-    """One optimizer step on a mini-batch (paper: maximise J_STAPO); returns the gradient's norm and the LM
-    head's, before the clip. FSDP2 reduce-scatters the gradients after every micro-batch, so no rank ever
-    holds an unsharded gradient of the whole model."""
-    keep = torch.zeros(batch.valid.shape, dtype=mb.keep.dtype, device=batch.valid.device)
-    keep[mb.idx] = mb.keep
-    for micro in micro_batches(batch.rows, mb.idx, args.micro_tokens):
-        sel = micro or mb.idx[:1]  # an empty micro-batch runs one sample at zero weight
-        logp, _ = response_logprobs(policy, batch.rows, sel, batch.valid, args.temperature)
-        loss, st = stapo_loss(logp, batch.old_logp[sel], batch.adv[sel], keep[sel] * bool(micro), mb.denom,
-                              *clip_settings(args))
-        (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is global
-        record.loss_stats(st)
-    record.peak("backward")
-    head = head_grad_norm(policy)
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    record.peak("optimizer")
-    return float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm), head
-
-
-def sampler_weights(batch, idx, args, record):
-    """--rollout-is: each token's weight against the sampler-trainer mismatch (rollout_is_weights), its
-    ratios logged; None without it."""
-    if args.rollout_is == "none":
-        return None
-    w, rho = rollout_is_weights(batch.old_logp[idx], batch.sampler[idx], batch.valid[idx],
-                                args.rollout_is, args.rollout_is_cap, args.rollout_is_mode)
-    record.importance(rho if args.rollout_is == "sequence" else rho[batch.valid[idx]])
-    return w
-
-
-def rollout_is_weights(old_logp, sampler_logp, valid, level="token", cap=2.0, mode="truncate"):
-    """Weights against the sampler-trainer mismatch (not the paper's; stapo.py --rollout-is). In bf16
-    the sampler's kernels give other log-probs than the trainer's for the same weights:
-        rho = pi_old(y) / pi_sampler(y)     per token, or per response (level="sequence": the product)
-        w = min(rho, cap)                   (mode="truncate", TIS)
-        w = rho if rho <= cap else 0        (mode="mask")
-    Returns (w [N, T], zero at padding: a factor on keep; rho [N, T] or [N, 1], for the logs)."""
-    log_rho = (old_logp - sampler_logp).masked_fill(~valid.bool(), 0.0)
-    if level == "sequence":
-        log_rho = log_rho.sum(-1, keepdim=True)
-    w = log_rho.clamp(max=math.log(cap)).exp()
-    if mode == "mask":
-        w = w.masked_fill(log_rho > math.log(cap), 0.0)
-    return w.expand_as(old_logp) * valid, log_rho.double().exp()
-
+# ---- one step: Algorithm 1 ------------------------------------------------------------------------
 
 def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
     """One step of the paper's loop (Algorithm 1) on this rank's prompts: (metrics, silenced)."""
@@ -272,11 +146,12 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
 
     # 4. The old policy: log p of every sampled token before any update, each mini-batch in the
     #    micro-batches its update will use (same shapes: an unchanged policy gives ratio 1 exactly)
-    blocks = minibatches(batch.rows, args.minibatches)
+    blocks = split_minibatches(batch.rows, args.minibatches)
+    batch.old = TokenStats.zeros(batch.valid.shape, device, collision=args.analysis)
     for idx in blocks:
-        old = measure(policy, batch.rows, idx, batch.valid, args.micro_tokens, args.temperature)
-        batch.old_logp[idx], batch.old_stats[idx] = old
-    record.old_policy(batch)
+        batch.old[idx] = token_stats(policy, batch.rows, idx, batch.valid, args.micro_tokens,
+                                     args.temperature, collision=args.analysis)
+    record.old_policy(batch.valid, batch.old, batch.sampler)
 
     # 5. Mini-batch updates: S2T on the current policy's p and H, the loss, an optimizer step each
     lr = set_lr(opt, args, step)
@@ -289,7 +164,26 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
     return record.finish(lr, probe_gap, G)
 
 
-def minibatches(rows, count):
+@dataclass
+class Batch:
+    """One step's samples on this rank, as the trainer holds them: [N, R] tensors over the responses."""
+    rows: list                  # (prompt ids, response ids) of each sample
+    valid: torch.Tensor         # [N, R] bool: a response token, not padding
+    adv: torch.Tensor           # [N] the group advantage of each sample
+    sampler: torch.Tensor       # [N, R] the sampler's log p of each token (vLLM reports them), or None
+    old: TokenStats = None      # [N, R] log p and H under the policy that sampled (step 4 fills it)
+
+
+def make_batch(prompts, groups, adv, device):
+    """The step's samples, padded to the longest response."""
+    samples = [s for group in groups for s in group]
+    rows = [(p, s.tokens) for (_, p, _), group in zip(prompts, groups) for s in group]
+    lengths = torch.tensor([len(s.tokens) for s in samples])
+    valid = (torch.arange(max(1, int(lengths.max()))) < lengths[:, None]).to(device)
+    return Batch(rows, valid, adv.to(device), sampler_logprobs(samples, valid))
+
+
+def split_minibatches(rows, count):
     """The step's samples in `count` mini-batches of consecutive prompts, each sorted by length."""
     per = len(rows) // count
     by_length = lambda i: len(rows[i][0]) + len(rows[i][1])  # noqa: E731
@@ -303,6 +197,111 @@ def set_lr(opt, args, step):
     for group in opt.param_groups:
         group["lr"] = lr
     return lr
+
+
+@dataclass
+class MiniBatch:
+    """What one optimizer step trains on: its samples and each token's weight in the loss."""
+    idx: list                   # its samples (rows of the Batch), shortest first
+    old_logp: torch.Tensor      # [n, R] log p under the policy that sampled
+    adv: torch.Tensor           # [n]
+    keep: torch.Tensor          # [n, R] each token's weight in the loss (0: padded or silenced)
+    denom: float                # the kept count over all ranks: the loss's denominator
+
+
+def train_minibatch(policy, opt, batch, idx, first, args, record):
+    """Step 5 of Algorithm 1 on one mini-batch: the current policy's p and H, S2T (the mask M), the token
+    weights, an update."""
+    old, valid, adv = batch.old[idx], batch.valid[idx], batch.adv[idx]
+    if first:  # no update yet: the current policy is the old one
+        now = old
+    else:
+        now = token_stats(policy, batch.rows, idx, batch.valid, args.micro_tokens, args.temperature,
+                          collision=args.analysis)
+    record.peak("forward")
+    s2t = spurious_tokens(now.logp, now.entropy, adv, valid, args.tau_p, args.q)
+    keep, denom = token_weights(args.method, now.entropy, valid, s2t)
+    w = None
+    if args.rollout_is != "none":  # not the paper's: weigh by pi_old / pi_sampler (rollout_is.py)
+        w, rho = rollout_is_weights(old.logp, batch.sampler[idx], valid, args.rollout_is, args.rollout_is_cap,
+                                    args.rollout_is_mode)
+        keep = keep * w
+        record.importance(rho if args.rollout_is == "sequence" else rho[valid])
+    mb = MiniBatch(idx, old.logp, adv, keep, denom)
+    if record.analysis:  # --analysis (not the paper's): measures the mini-batch, changes nothing
+        analyse(record.analysis, now.logp, now.entropy, now.collision, old.logp, adv, valid, keep, denom,
+                s2t.silenced, s2t.candidates, s2t.tau_h, w)
+    norms = update(policy, opt, batch.rows, batch.valid, mb, args, record)
+    record.minibatch(args.method, s2t, norms, batch.rows, idx, now)
+
+
+class SpuriousTokens(NamedTuple):
+    """S2T on a mini-batch (paper: Silencing Spurious Tokens)."""
+    candidates: torch.Tensor    # [n, R] valid & (A > 0) & (p < tau_p)
+    silenced: torch.Tensor      # [n, R] candidates & (H < tau_h): the mask M
+    n_candidates: int           # the candidates on all ranks, whose entropies set tau_h
+    tau_h: float                # their q-quantile, or None where there are none
+
+
+def spurious_tokens(logp, entropy, adv, valid, tau_p, q):
+    """S2T on a mini-batch, with one tau_h over the candidates of all ranks. Computed under every
+    objective: STAPO silences these tokens; the token analysis measures them under the others."""
+    candidates = s2t_candidates(logp, adv, valid, tau_p)
+    pooled = gather_cat(entropy[candidates])
+    tau_h = s2t_threshold(pooled, q)
+    silenced = s2t_mask(logp, entropy, adv, valid, tau_p, q, tau_h)  # none pooled: none here
+    return SpuriousTokens(candidates, silenced, len(pooled), None if tau_h is None else float(tau_h))
+
+
+def token_weights(method, entropy, valid, s2t):
+    """Per-token weights `keep` and their global denominator, for each objective the paper
+    compares. Thresholds are computed over the whole mini-batch on all ranks."""
+    if method == "grpo":  # token mean per sequence, then mean over sequences
+        keep = valid / valid.sum(1, keepdim=True).clamp(min=1)
+        return keep, all_reduce_numbers(len(valid))[0]
+    if method == "justrl":  # every response token
+        keep = valid
+    if method == "entropy20":  # the top 20% entropy tokens
+        keep = valid & (entropy >= quantile(gather_cat(entropy[valid]), 0.8).to(entropy.device))
+    if method == "stapo":  # every response token but the silenced
+        keep = valid & ~s2t.silenced
+    return keep, all_reduce_numbers(keep.sum())[0]
+
+
+def clip_settings(args):
+    """(eps_low, eps_high, clip_c) of the objective: GRPO clips symmetrically, with no dual clip."""
+    if args.method == "grpo":
+        return args.eps_low, args.eps_low, None
+    return args.eps_low, args.eps_high, args.clip_c
+
+
+def update(policy, opt, rows, valid, mb, args, record):
+    """One optimizer step on a mini-batch (paper: maximise J_STAPO); returns the gradient's norm and the LM
+    head's, before the clip. FSDP2 reduce-scatters the gradients after every micro-batch, so no rank ever
+    holds an unsharded gradient of the whole model. A non-finite norm (one bad batch) skips the step, as
+    verl does: the norm is global, so every rank skips it, and no NaN reaches the weights."""
+    at, stats = {i: k for k, i in enumerate(mb.idx)}, []
+    for micro in micro_batches(rows, mb.idx, args.micro_tokens):
+        idle = micro is None  # this rank has fewer micro-batches than another: one sample, at weight 0
+        micro = mb.idx[:1] if idle else micro
+        k = [at[i] for i in micro]
+        keep = torch.zeros_like(mb.keep[k]) if idle else mb.keep[k]
+        logp = response_logprobs(policy, rows, micro, valid, args.temperature).logp
+        loss, st = stapo_loss(logp, mb.old_logp[k], mb.adv[k], keep, mb.denom, *clip_settings(args))
+        (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is global
+        stats.append(st)
+    record.loss_stats(stats)  # read once, after the loop: no wait on the device inside it
+    record.peak("backward")
+    head = head_grad_norm(policy)
+    norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if math.isfinite(norm):
+        opt.step()
+    else:
+        record.skipped(norm)
+    opt.zero_grad(set_to_none=True)
+    record.peak("optimizer")
+    return norm, head
 
 
 # ---- the weight sync -----------------------------------------------------------------------------
@@ -321,9 +320,9 @@ def sync_engine(engine, policy, probe, device):
     engine.load_weights(full_params(policy.lm, engine.dtype))
     rows = [(probe[:1], probe[1:])]
     valid = torch.ones(1, len(probe) - 1, dtype=torch.bool, device=device)
-    want, _ = response_logprobs(policy, rows, [0], valid, 1.0)
+    want = response_logprobs(policy, rows, [0], valid, 1.0).logp[0]
     policy.reshard()  # the root (embeddings, lm_head) would stay gathered through the rollout
-    gap = (torch.tensor(engine.logprobs_of(probe), device=device) - want[0]).abs()
+    gap = (torch.tensor(engine.logprobs_of(probe), device=device) - want).abs()
     mean, top = float(gap.mean()), float(gap.max())
     tolerance = SYNC_TOLERANCE[engine.dtype]
     if not (mean <= tolerance[0] and top <= tolerance[1]):
@@ -373,11 +372,9 @@ def train(args):
     context, dtype = context_length(args, tok), compute_dtype(args.dtype, device)
     probe = probe_tokens(tok, context - 1, args.chat_template)  # the sync's self-check
     policy = build_policy(args.model, mesh, device, dtype)
-    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, foreach=True)
+    fused = dict(fused=True) if device.type == "cuda" else dict(foreach=True)  # one kernel per step on a GPU
+    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, **fused)
     start = load_checkpoint(policy, opt, args.out) if args.resume else 0
-    engine = make_engine(args.engine, args.model, tok, device, context, args.gpu_memory_utilization,
-                         dtype=dtype)
-    sync_engine(engine, policy, probe, device)  # vLLM's dummy weights become the (resumed) policy's
     logs = [os.path.join(args.out, name) for name in ("metrics.jsonl", "silenced.jsonl")]
     config = {**vars(args), "world_size": world, "mesh": list(mesh.shape), "device": str(device),
               "problems": len(data)}
@@ -389,10 +386,15 @@ def train(args):
         reporter = Reporter(args.report_to, args.out, config)
     progress = dict(desc="stapo", initial=start, total=args.steps, disable=rank != 0)
     stop_at_step_end = StopAtStepEnd(args.out, args.save_every, args.keep_ckpts, args.prompts_per_step)
-    with closing(engine), stop_at_step_end as stop:  # a signal: a checkpoint at the step's end, then the exit
+    engine = make_engine(args.engine, args.model, tok, device, context, args.gpu_memory_utilization,
+                         dtype=dtype)
+    # The engine closes on every exit from here, a failed first sync's included; a signal: a checkpoint at
+    # the step's end, then the exit
+    with closing(engine), stop_at_step_end as stop:
+        sync_engine(engine, policy, probe, device)  # vLLM's dummy weights become the (resumed) policy's
         for step in tqdm(range(start, args.steps), **progress):
-            per_step, minibatches = args.prompts_per_step, args.minibatches
-            prompts = step_prompts(data, step, per_step, minibatches, args.seed, rank, world)
+            prompts = step_prompts(data, step, args.prompts_per_step, args.minibatches, args.seed, rank,
+                                   world)
             metrics, silenced = train_step(step, policy, opt, engine, tok, prompts, args, device, probe)
             if args.eval_every and (step + 1) % args.eval_every == 0:
                 names = args.eval_benchmarks.split(",")

@@ -84,9 +84,12 @@ def stapo_loss(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high
         l = max(-ratio * A, -clip(ratio, 1 - eps_low, 1 + eps_high) * A)
         l = min(l, -clip_c * A) where A < 0                    (dual clip, verl's; None: off)
         loss = sum(l * keep) / num_tokens                      (num_tokens defaults to keep.sum())
+    stats = {clip_low, clip_high: the kept tokens' clipped fractions; kept: their count}, 0-dim tensors
     keep = valid & ~silenced (bool or 0/1), so the loss is renormalised over the tokens neither
     padded nor silenced; a float keep is a weight (GRPO's 1/|o_i|, whose sum is the number of
     sequences). Silenced and padded tokens get exactly zero gradient; num_tokens = 0 gives 0.
+    Nothing in the call waits on the device (no .item(), no float() of a tensor): it compiles whole under
+    torch.compile(fullgraph=True), and a trainer reads the stats once per optimizer step, not per micro-batch.
     With keep = valid, clip_c=None and max_log_ratio=float("inf") this is exactly DAPO's
     token-mean loss (TRL's loss_type="dapo"); the dual clip and the clamp change only A < 0 tokens
     with ratio > clip_c, and log-ratios beyond +-20.
@@ -116,13 +119,16 @@ def stapo_loss(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high
     if clip_c is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -clip_c * adv), per_token)
     per_token = torch.where(kept, per_token, 0.0) * keep
-    n = float(keep.sum() if num_tokens is None else num_tokens)
-    if n < 0:
-        raise ValueError(f"stapo_loss: num_tokens must be >= 0, got {n}")
-    loss = per_token.sum() / n if n > 0 else per_token.sum() * 0.0
-    with torch.no_grad():
-        k = max(int(kept.sum()), 1)
-        stats = {"clip_low": float((kept & (adv < 0) & (ratio < 1 - eps_low)).sum()) / k,
-                 "clip_high": float((kept & (adv > 0) & (ratio > 1 + eps_high)).sum()) / k,
-                 "kept": int(kept.sum())}
+    if num_tokens is None:  # a tensor: no wait on the device
+        n = keep.sum().float()
+        loss = per_token.sum() / n.clamp(min=torch.finfo(torch.float32).tiny)
+    elif num_tokens < 0:
+        raise ValueError(f"stapo_loss: num_tokens must be >= 0, got {num_tokens}")
+    else:
+        loss = per_token.sum() / num_tokens if num_tokens > 0 else per_token.sum() * 0.0
+    with torch.no_grad():  # tensors, never read here: a trainer reads them once per optimizer step
+        k = kept.sum().clamp(min=1).double()
+        stats = {"clip_low": (kept & (adv < 0) & (ratio < 1 - eps_low)).sum() / k,
+                 "clip_high": (kept & (adv > 0) & (ratio > 1 + eps_high)).sum() / k,
+                 "kept": kept.sum()}
     return loss, stats

@@ -6,7 +6,7 @@ import torch
 
 from head import ChunkedHead, token_logprobs_and_entropy
 from analysis import GROUPS, SPURIOUS, entropy_change, logit_gradient_norm, loss_token_weight, token_groups
-from stapo import rollout_is_weights
+from rollout_is import rollout_is_weights
 from stapo_core import group_advantages, quantile, s2t_candidates, s2t_mask, s2t_threshold, stapo_loss
 
 
@@ -406,12 +406,14 @@ def _direct_stats(a, y, t):
 
 def test_the_heads_statistics_are_h_and_collision():
     h, w, y, t = _head_case()
-    logp, stats = ChunkedHead.apply(h.float(), w.float(), y, t, 4)  # chunks of 4 tokens, in fp32
+    logp, ent, collision = ChunkedHead.apply(h.float(), w.float(), y, t, 4, True)  # chunks of 4 tokens, fp32
     want = _direct_stats(h @ w.T, y, t)
-    assert stats.shape == (len(y), 2)
-    for got, exact in zip([logp, *stats.unbind(-1)], want):
+    assert collision.shape == ent.shape == (len(y),)
+    for got, exact in zip([logp, ent, collision], want):
         assert torch.allclose(got.double(), exact, atol=1e-5), (got, exact)
-    assert (stats[:, 1] >= torch.exp(-stats[:, 0]) - 1e-6).all()  # sum pi^2 >= e^-H
+    assert (collision >= torch.exp(-ent) - 1e-6).all()  # sum pi^2 >= e^-H
+    alone = ChunkedHead.apply(h.float(), w.float(), y, t, 4)  # sum pi^2 not asked: none computed
+    assert torch.equal(alone[0], logp) and torch.equal(alone[1], ent) and alone[2].numel() == 0
 
 
 def test_the_gradient_norm_identity_against_autograd():
@@ -538,3 +540,47 @@ def test_rollout_is_weights_by_hand():
     assert torch.allclose(w, torch.tensor([[3.0] * 3, [e(0.3), e(0.3), 0.0]]))
     w, _ = rollout_is_weights(old, sampler, valid, "sequence", cap=3.0, mode="mask")
     assert torch.allclose(w, torch.tensor([[0.0] * 3, [e(0.3), e(0.3), 0.0]]))
+
+
+def _loss_case():
+    g = torch.Generator().manual_seed(3)
+    logp = (-torch.rand(3, 5, generator=g) * 3).requires_grad_()
+    old = logp.detach() + torch.randn(3, 5, generator=g) * 0.3
+    valid = torch.rand(3, 5, generator=g) < 0.8
+    return logp, old, torch.tensor([1.0, -0.5, 0.7]), valid
+
+
+@pytest.mark.parametrize("num_tokens", [None, 7, 0])
+def test_stapo_loss_never_waits_on_the_device(num_tokens):
+    """No call reads a tensor back to the host (.item(), float(), int(), bool() of a tensor: each is one
+    aten._local_scalar_dense, a device-to-host copy and a sync on a GPU), with or without num_tokens, and the
+    statistics come back as tensors. Breaks with the old float()/int() statistics or float(keep.sum())."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+                self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+    logp, old, adv, valid = _loss_case()
+    with Reads():
+        loss, stats = stapo_loss(logp, old, adv, valid, num_tokens)
+        loss.backward()
+    assert Reads.seen == [] and all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in stats.values())
+    assert int(stats["kept"]) == int(valid.sum())
+
+
+def test_stapo_loss_compiles_as_one_graph():
+    """torch.compile(fullgraph=True) captures the whole loss (a graph break, such as a read of a tensor into
+    Python, is an error there), and the compiled loss, gradient and statistics equal the eager ones."""
+    logp, old, adv, valid = _loss_case()
+    compiled = torch.compile(stapo_loss, fullgraph=True, backend="aot_eager")
+    for num_tokens in (None, 9):
+        want, want_stats = stapo_loss(logp, old, adv, valid, num_tokens)
+        (want_grad,) = torch.autograd.grad(want, logp)
+        got, got_stats = compiled(logp, old, adv, valid, num_tokens)
+        (got_grad,) = torch.autograd.grad(got, logp)
+        assert torch.allclose(got, want) and torch.allclose(got_grad, want_grad)
+        assert all(torch.equal(got_stats[k], want_stats[k]) for k in want_stats)

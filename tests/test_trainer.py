@@ -118,12 +118,15 @@ def torchrun(argv, nproc, log, *launcher):
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True, env=env)
 
 
-def wait_for_steps(out, n, agent, timeout=300):
-    """Until metrics.jsonl logs n steps (the run still going)."""
-    deadline = time.time() + timeout
-    while not (os.path.exists(out / "metrics.jsonl") and len(metrics_of(out)) >= n):
-        assert agent.poll() is None and time.time() < deadline, f"no step {n} in {out} (exit {agent.poll()})"
+def wait_for_steps(out, n, agent, polls=3000):
+    """Until metrics.jsonl logs n steps (the run still going), polling every 0.1 s: a hang gives up after
+    `polls` looks, a bound on waiting, not a speed the test asks for."""
+    for _ in range(polls):
+        if os.path.exists(out / "metrics.jsonl") and len(metrics_of(out)) >= n:
+            return
+        assert agent.poll() is None, f"no step {n} in {out} (exit {agent.poll()})"
         time.sleep(0.1)
+    pytest.fail(f"no step {n} in {out} after {polls} polls")
 
 
 def finish(agent, timeout=300):
@@ -285,11 +288,11 @@ def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path, monkeypatch):
     d, _ = tiny
     real_add, split = analysis.TokenAnalysis.add, []
 
-    def checked(self, s2t, low_p, adv, valid, tokens):
-        if s2t["tau_h"] is not None:
-            groups = analysis.token_groups(low_p, adv, s2t["entropy"], valid, s2t["tau_h"])
-            split.append(torch.equal(groups[analysis.SPURIOUS], s2t["silenced"]))
-        return real_add(self, s2t, low_p, adv, valid, tokens)
+    def checked(self, silenced, candidates, tau_h, entropy, low_p, adv, valid, tokens):
+        if tau_h is not None:
+            groups = analysis.token_groups(low_p, adv, entropy, valid, tau_h)
+            split.append(torch.equal(groups[analysis.SPURIOUS], silenced))
+        return real_add(self, silenced, candidates, tau_h, entropy, low_p, adv, valid, tokens)
     monkeypatch.setattr(analysis.TokenAnalysis, "add", checked)
     stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "2", "--log-silenced", "--tau-p", "0.9", "--analysis")))
     assert split and all(split)
@@ -451,6 +454,38 @@ def test_degenerate_batches_give_finite_steps(tiny, tmp_path):
     assert metrics["zero_variance_groups"] == 1.0 and metrics["grad_norm"] == 0.0
 
 
+def test_a_non_finite_gradient_skips_the_update(tiny, tmp_path, monkeypatch, capsys):
+    """A batch whose loss is NaN (every gradient NaN, so the global norm is too): the optimizer does not step,
+    every weight stays finite and equal to what it was, Adam's state stays empty, and the row says each update
+    was skipped, with one line on stderr. The next step, its loss finite, trains. Breaks with opt.step() on a
+    NaN norm (the clip multiplies every gradient by NaN; AdamW writes it into the weights)."""
+    d, tok = tiny
+    args = stapo.get_args(args_for(d, tmp_path, "--warmup-steps", "0", "--minibatches", "2"))
+    rank, world, device, mesh = parallel.init_distributed()
+    policy = stapo.build_policy(args.model, mesh, device)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    data = problems.load_problems(args.dataset)[:4]
+    prompts = [(i, problems.encode_prompt(tok, p), a) for i, (p, a) in enumerate(data)]
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
+    groups = [[Sample(ids(f"\\boxed{{{a}}}"), "stop")] * 2 + [Sample(ids("\\boxed{99}"), "stop")] * 2
+              for _, _, a in prompts]  # half right in every group: every update has a signal
+    engine = FixedEngine(groups, args.model, tok)
+    real_loss = stapo.stapo_loss
+    monkeypatch.setattr(stapo, "stapo_loss", lambda *a, **k: (lambda loss, st: (loss * math.nan, st))(*real_loss(*a, **k)))
+    before = {k: v.full_tensor().clone() for k, v in policy.state_dict().items()}
+    metrics, _ = stapo.train_step(0, policy, opt, engine, tok, prompts, args, device, PROBE)
+    after = {k: v.full_tensor() for k, v in policy.state_dict().items()}
+    assert all(torch.equal(before[k], after[k]) for k in before) and not opt.state
+    assert metrics["skipped_updates"] == 2 and math.isnan(metrics["grad_norm"])
+    assert capsys.readouterr().err.count("the gradient norm is nan; this update is skipped") == 2
+    assert all(p.grad is None for p in policy.parameters())  # zeroed: nothing carries into the next update
+    monkeypatch.setattr(stapo, "stapo_loss", real_loss)
+    metrics, _ = stapo.train_step(1, policy, opt, engine, tok, prompts, args, device, PROBE)
+    assert metrics["skipped_updates"] == 0 and metrics["grad_norm"] > 0
+    after = {k: v.full_tensor() for k, v in policy.state_dict().items()}
+    assert all(torch.isfinite(v).all() for v in after.values()) and any(not torch.equal(before[k], after[k]) for k in before)
+
+
 def test_method_objectives_on_a_fixed_batch(tiny):
     parallel.init_distributed()
     args = stapo.get_args(["--tau-p", "0.5", "--q", "0.5"])
@@ -467,9 +502,9 @@ def test_method_objectives_on_a_fixed_batch(tiny):
     keep, denom = stapo.token_weights("stapo", ent, valid, s2t)
     silenced = torch.zeros_like(valid)
     silenced[0, 0] = silenced[2, 1] = True
-    assert torch.equal(s2t["silenced"], silenced) and torch.equal(keep, valid & ~silenced) and denom == 7
-    assert s2t["pooled"] == 4 and s2t["tau_h"] == pytest.approx(0.75)
-    assert torch.equal(s2t["candidates"].nonzero(), torch.tensor([[0, 0], [0, 2], [2, 0], [2, 1]]))
+    assert torch.equal(s2t.silenced, silenced) and torch.equal(keep, valid & ~silenced) and denom == 7
+    assert s2t.n_candidates == 4 and s2t.tau_h == pytest.approx(0.75)
+    assert torch.equal(s2t.candidates.nonzero(), torch.tensor([[0, 0], [0, 2], [2, 0], [2, 1]]))
     # grpo: 1/|o_i| per token, the mean over sequences
     keep, denom = stapo.token_weights("grpo", ent, valid, s2t)
     assert torch.allclose(keep, valid / torch.tensor([[3.0], [2.0], [4.0]])) and denom == 3
@@ -583,7 +618,7 @@ s2t = stapo.spurious_tokens(logp[rows], ent[rows], adv[rows], valid[rows], args.
 for method in ("stapo", "entropy20", "justrl", "grpo"):
     keep, denom = stapo.token_weights(method, ent[rows], valid[rows], s2t)
     out[method] = {"keep": parallel.gather(keep.float().tolist()), "denom": denom,
-                   "tau_h": s2t["tau_h"], "candidates": s2t["pooled"]}
+                   "tau_h": s2t.tau_h, "candidates": s2t.n_candidates}
 if rank == 0:
     with open(sys.argv[2], "w") as f:
         json.dump(out, f)
@@ -615,17 +650,17 @@ def test_an_unchanged_policy_has_a_ratio_of_exactly_one_in_every_mini_batch(tiny
     1.. computed together, in other groupings, move the ratio by float noise (in bf16 by up to 0.05 nats)."""
     d, _ = tiny
     seen, passes = [], []
-    real_loss, real_pass = stapo.stapo_loss, stapo.measure
+    real_loss, real_pass = stapo.stapo_loss, stapo.token_stats
 
     def recording(logp, old_logp, adv, keep, *a, **k):
         seen.append((logp.detach() - old_logp)[keep > 0])
         return real_loss(logp, old_logp, adv, keep, *a, **k)
 
-    def measure(policy, rows, idx, *a):
+    def token_stats(policy, rows, idx, *a, **k):
         passes.append(sorted(idx))
-        return real_pass(policy, rows, idx, *a)
+        return real_pass(policy, rows, idx, *a, **k)
     monkeypatch.setattr(stapo, "stapo_loss", recording)
-    monkeypatch.setattr(stapo, "measure", measure)
+    monkeypatch.setattr(stapo, "token_stats", token_stats)
     for micro in ("40", "4096"):  # several unequal micro-batches per mini-batch; one
         seen.clear()
         passes.clear()
@@ -653,12 +688,12 @@ def test_the_eight_groups_and_the_gradient_shares_by_hand(tiny):
     collision = torch.tensor([[0.8, 0.82, 0.3], [0.66, 0.4, 0.45]])  # each >= p^2
     ratio = torch.tensor([[1.0, 1.5, 1.0], [0.5, 1.0, 1.0]])
     adv, valid = torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool)
-    batch = types.SimpleNamespace(old_logp=p.log() - ratio.log(), adv=adv, valid=valid)
+    old = p.log() - ratio.log()
     s2t = stapo.spurious_tokens(p.log(), ent, adv, valid, args.tau_p, args.q)
-    assert s2t["silenced"].nonzero().tolist() == [[0, 0]] and s2t["tau_h"] == pytest.approx(0.725)
-    keep = (valid & ~s2t["silenced"]).float()
+    assert s2t.silenced.nonzero().tolist() == [[0, 0]] and s2t.tau_h == pytest.approx(0.725)
+    keep = (valid & ~s2t.silenced).float()
     m = analysis.TokenAnalysis("stapo", stapo.clip_settings(args), args.tau_p, args.temperature)
-    analysis.analyse(m, p.log(), torch.stack([ent, collision], -1), s2t, stapo.MiniBatch([0, 1], keep, 5.0), batch)
+    analysis.analyse(m, p.log(), ent, collision, old, adv, valid, keep, 5.0, s2t.silenced, s2t.candidates, s2t.tau_h)
     w = ratio * adv[:, None]  # the policy-gradient term's weight, ratio * A
     norm = w.abs() * (1 - 2 * p + collision).sqrt()  # T = 1
     change = -w * p * (p.log() + ent)
@@ -680,9 +715,9 @@ def test_the_eight_groups_and_the_gradient_shares_by_hand(tiny):
     assert row["grad_share/silenced_if_kept"] == pytest.approx(if_kept)
     assert sums["split"] == sums["nonzero"] == 6
     none = stapo.spurious_tokens(p.log(), ent, -adv.abs(), valid, args.tau_p, args.q)  # A < 0: no candidate, no tau_h
-    analysis.analyse(m, p.log(), torch.stack([ent, collision], -1), none, stapo.MiniBatch([0, 1], valid.float(), 6.0),
-                     types.SimpleNamespace(**{**vars(batch), "adv": -adv.abs()}))
-    assert none["tau_h"] is None and sums["split"] == 6 and sums["nonzero"] == 12
+    analysis.analyse(m, p.log(), ent, collision, old, -adv.abs(), valid, valid.float(), 6.0, none.silenced,
+                     none.candidates, none.tau_h)
+    assert none.tau_h is None and sums["split"] == 6 and sums["nonzero"] == 12
     assert sum(sums[f"{g}/n"] for g in analysis.GROUPS) == 6  # the mini-batch with no tau_h is in no group
     assert analysis.taxonomy_row(sums)["taxonomy/split"] == 0.5
 
@@ -703,11 +738,11 @@ def test_rollout_is_weights_the_loss_and_is_exact_when_the_sampler_agrees(tiny, 
     results = {}
     for mode, sampler in [("none", "trainer"), ("token", "trainer"), ("token", "zero")]:
         policy = stapo.build_policy(args.model, mesh, device)
-        trainer_logp = stapo.measure(policy, rows, sorted(range(16), key=lambda i: len(rows[i][1])), valid,
-                                     args.micro_tokens, args.temperature)
+        trainer_logp = stapo.token_stats(policy, rows, sorted(range(16), key=lambda i: len(rows[i][1])), valid,
+                                         args.micro_tokens, args.temperature)
         order = sorted(range(16), key=lambda i: len(rows[i][1]))
         logp = torch.zeros(valid.shape)
-        logp[order] = trainer_logp[0]
+        logp[order] = trainer_logp.logp
         groups = [[Sample(rows[i * 4 + j][1], "stop", logp[i * 4 + j][valid[i * 4 + j]].tolist()
                           if sampler == "trainer" else [0.0] * len(rows[i * 4 + j][1])) for j in range(4)]
                   for i in range(4)]
@@ -845,6 +880,22 @@ def test_a_signal_during_a_save_stops_at_that_steps_end(tiny, tmp_path, monkeypa
     assert checkpoint.checkpoints(str(tmp_path)) == [2]
     assert signal.getsignal(signal.SIGTERM) == before  # the trainer's handler is gone with the run
     assert "SIGTERM" not in capsys.readouterr().err
+    assert len(closed) == 1
+
+
+def test_the_engine_is_closed_when_its_first_sync_fails(tiny, tmp_path, monkeypatch):
+    """The first weight sync, the likeliest first failure on a new GPU node, fails: the engine is closed (vLLM's
+    shutdown runs before the process groups are gone), once, and the sync's error is the one raised. Breaks
+    with the engine's close opened only after the first sync."""
+    d, _ = tiny
+    closed = []
+    monkeypatch.setattr(rollout.HFEngine, "close", lambda self: closed.append(self))
+
+    def broken_sync(*a):
+        raise RuntimeError("engine weight sync: a mis-mapped sync")
+    monkeypatch.setattr(stapo, "sync_engine", broken_sync)
+    with pytest.raises(RuntimeError, match="a mis-mapped sync"):
+        stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "1")))
     assert len(closed) == 1
 
 
