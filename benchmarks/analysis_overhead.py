@@ -2,14 +2,17 @@
 
     python benchmarks/analysis_overhead.py      # CPU fp32: 8 x 1024 tokens, vocabulary 151,936, hidden 256
 
-The head's forward (head.ChunkedHead) computes, per chunk of 128 tokens, log p and H (what S2T needs) and
-one more sum for the analysis, sum pi^2: a square and a sum over the [chunk, V] buffer. This script times,
-in one process, (1) the shipped forward, (2) the same forward with the analysis's square patched out (its
-sum still runs, so this understates the cost a little), and (3) analysis.analyse on the batch (each token's
-gradient norms and entropy change, summed into the groups and shares by analysis.TokenAnalysis, one
-process); each the median of 3 after a warm-up.
+The head's forward (head.ChunkedHead) computes, per chunk of 128 tokens, log p and H (what S2T needs) and,
+when asked (collision=True, as stapo.py --analysis asks), one more sum, sum pi^2: a square and a sum over the
+[chunk, V] buffer. This script times, in one process, (1) the forward without it (the trainer's default),
+(2) the forward with it, and (3) analysis.analyse on the batch (each token's gradient norms and entropy
+change, summed into the groups and shares by analysis.TokenAnalysis, one process); each the median of 3
+after a warm-up.
 """
-import os, statistics, sys, time, types
+import os
+import statistics
+import sys
+import time
 
 import torch
 
@@ -35,27 +38,22 @@ def main():
     m, d, v = 8 * 1024, 256, 151936
     hidden, weight = torch.randn(m, d), torch.randn(v, d) * d ** -0.5
     tokens = torch.randint(v, (m,))
-    full = timed(lambda: head.ChunkedHead.apply(hidden, weight, tokens, 1.0, 128))
-    square = torch.Tensor.square_
-    torch.Tensor.square_ = lambda self: self
-    try:
-        without = timed(lambda: head.ChunkedHead.apply(hidden, weight, tokens, 1.0, 128))
-    finally:
-        torch.Tensor.square_ = square
-    parallel.init_distributed()
-    logp, stats = head.ChunkedHead.apply(hidden, weight, tokens, 1.0, 128)
+    without = timed(lambda: head.ChunkedHead.apply(hidden, weight, tokens, 1.0, 128, False))
+    full = timed(lambda: head.ChunkedHead.apply(hidden, weight, tokens, 1.0, 128, True))
+    parallel.init_distributed()  # S2T's tau_h pools the candidates of all ranks: here one
     rows = (8, 1024)
-    logp, stats = logp.view(rows), stats.view(*rows, 2)
+    out = head.ChunkedHead.apply(hidden, weight, tokens, 1.0, 128, True)
+    logp, entropy, collision = (x.view(rows) for x in out)
     adv, valid = torch.randn(8), torch.ones(rows, dtype=torch.bool)
-    args = stapo.get_args([])
-    s2t = stapo.spurious_tokens(logp, stats[..., 0], adv, valid, args.tau_p, args.q)
-    batch = types.SimpleNamespace(old_logp=logp, adv=adv, valid=valid)  # ratio 1: w = A
-    keep = (valid & ~s2t["silenced"]).float()
-    mb = stapo.MiniBatch(list(range(8)), keep, float(keep.sum()))
+    args = stapo.get_args([])  # the trainer's defaults: --method stapo, tau_p, q, the clips
+    s2t = stapo.spurious_tokens(logp, entropy, adv, valid, args.tau_p, args.q)
+    keep = (valid & ~s2t.silenced).float()
     sums = lambda: analysis.TokenAnalysis("stapo", stapo.clip_settings(args), args.tau_p, 1.0)  # noqa: E731
-    book = timed(lambda: analysis.analyse(sums(), logp, stats, s2t, mb, batch))
+    old_logp = logp  # ratio 1: the policy before its first update
+    book = timed(lambda: analysis.analyse(sums(), logp, entropy, collision, old_logp, adv, valid, keep,
+                                          float(keep.sum()), s2t.silenced, s2t.candidates, s2t.tau_h))
     print(f"{m} tokens, vocabulary {v}, hidden {d}, fp32, {torch.get_num_threads()} threads")
-    print(f"head forward, as shipped: {full:.2f} s; without the analysis's square: {without:.2f} s "
+    print(f"head forward: {without:.2f} s; with the analysis's sum pi^2: {full:.2f} s "
           f"(the analysis: +{100 * (full / without - 1):.1f}% of the forward)")
     print(f"analysis.analyse on the batch: {book * 1000:.1f} ms")
     torch.distributed.destroy_process_group()

@@ -43,18 +43,18 @@ def moved(policy, seed):
 
 def gaps(engine, policy, probe, device, push):
     import rollout
-    import stapo
+    from policy import response_logprobs
     push(rollout.full_params(policy.lm, engine.dtype))
     rows, valid = [(probe[:1], probe[1:])], torch.ones(1, len(probe) - 1, dtype=torch.bool)
     with torch.no_grad():
-        want = stapo.response_logprobs(policy, rows, [0], valid, 1.0)[0][0]
+        want = response_logprobs(policy, rows, [0], valid, 1.0).logp[0]
     return (torch.tensor(engine.logprobs_of(probe)) - want).abs()
 
 
 def main(dtype_name, tied, out):
     import parallel
     import problems
-    import stapo
+    from policy import build_policy
     from problems import encode_prompt
     from rollout import VLLMEngine
     folder = tempfile.mkdtemp()
@@ -62,9 +62,10 @@ def main(dtype_name, tied, out):
     rank, world, device, mesh = parallel.init_distributed()
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     context = 256
-    probe = (encode_prompt(tok, problems.PROBE[0]) + tok.encode(problems.PROBE[1], add_special_tokens=False))[:context - 1]
-    policy = stapo.build_policy(folder, mesh, device, dtype)
-    engine = VLLMEngine(folder, tok, context, 0.5, for_training=True, dtype=dtype)
+    probe = encode_prompt(tok, problems.PROBE[0]) + tok.encode(problems.PROBE[1], add_special_tokens=False)
+    probe = probe[:context - 1]
+    policy = build_policy(folder, mesh, device, dtype)
+    engine = VLLMEngine(folder, context, 0.5, for_training=True, dtype=dtype)
     real, rows = engine.load_weights, {}
     rows["dummy"] = gaps(engine, policy, probe, device, lambda named: [None for _ in named])
     if tied:

@@ -56,6 +56,7 @@ def build(folder, vocab, hidden, prompts, tokens):
 
 def run_stapo(folder, c, steps):
     """stapo.train itself, as a user runs it; the step time is the trainer's own step_s."""
+    import torch.distributed as dist
     import stapo
     out = os.path.join(folder, "stapo_run")
     shutil.rmtree(out, ignore_errors=True)  # each run starts fresh: stapo refuses an --out that holds a run
@@ -65,7 +66,7 @@ def run_stapo(folder, c, steps):
                            "--max-response-len", str(c["tokens"]), "--engine", "hf", "--save-every", "0",
                            "--no-chat-template"])
     stapo.train(args)
-    stapo.dist.destroy_process_group()
+    dist.destroy_process_group()
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     peaks = [max(v for k, v in r.items() if k.startswith("peak_gb/")) * 1024 for r in rows]

@@ -13,7 +13,8 @@ The numbers hold for one machine's float kernels: another CPU (another vector wi
 the toy to other weights, and every sampled token after that differs. So a recording is named for the warm
 start it began from, <run>-<id>.jsonl with id a hash of the warm-started weights. A machine whose warm start
 has none runs BASELINE's trainer itself (its files from git, on the same warm start) beside this tree's, and
-compares the two: the guard holds on any CPU, at twice the time.
+compares the two: the guard holds on any CPU, at twice the time. That takes BASELINE's commit in this clone's
+history: a shallow clone stops with one line that says how to fetch it (git fetch --unshallow).
 """
 import hashlib
 import json
@@ -143,13 +144,24 @@ def comparable(row):
     return {k: v for k, v in row.items() if k not in VARYING and not k.startswith("peak_gb/")}
 
 
+class NoBaseline(RuntimeError):
+    """BASELINE's commit is not in this clone's history (a shallow clone): its message is one line, the fix."""
+
+
 def baseline_tree(where):
-    """BASELINE's files, from this repository's git history, under `where`; returns that folder."""
+    """BASELINE's files, from this repository's git history, under `where`; returns that folder. A clone
+    without BASELINE's commit (git clone --depth 1, as CI services make) raises NoBaseline, saying how to
+    fetch it."""
     tree = os.path.join(where, f"baseline-{BASELINE[:8]}")
     if not os.path.exists(tree):
+        archive = subprocess.run(["git", "-C", ROOT, "archive", BASELINE], capture_output=True)
+        if archive.returncode:
+            said = (archive.stderr.decode(errors="replace").strip().splitlines() or ["no message"])[0]
+            raise NoBaseline(f"the reference runs compare against BASELINE {BASELINE}, a commit this clone "
+                             f"lacks (git archive: {said}); fetch the history with `git fetch --unshallow` "
+                             f"(or `git fetch origin {BASELINE}`) and rerun")
         os.makedirs(tree)
-        archive = subprocess.run(["git", "-C", ROOT, "archive", BASELINE], capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+        subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True)
     return tree
 
 
@@ -172,8 +184,12 @@ if __name__ == "__main__":
     if sys.argv[1] == "--write":
         os.makedirs(GOLDEN, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
+            try:
+                root = baseline_tree(tmp)
+            except NoBaseline as e:
+                sys.exit(str(e))
             for name in sys.argv[2:] or RUNS:
-                rows = run(name, tmp, root=baseline_tree(tmp))
+                rows = run(name, tmp, root=root)
                 with open(golden(name, tmp), "w") as f:
                     f.writelines(json.dumps(comparable(r)) + "\n" for r in rows)
     else:
