@@ -12,11 +12,10 @@ S2T's own thresholds (A > 0 or < 0, p below or above tau_p, H below or above the
 posA_lowP_lowH is the set S2T silences; the four posA groups are the late paper's, the four negA ones complete
 the early version's eight) and draws each group's share of the tokens, the mean norm of its policy-gradient
 term on the logits, and its mean entropy change (the paper's lemma), over all steps of each run.
-matplotlib is imported only here, only when drawing.
+matplotlib is imported only here, only when drawing; analysis.py (and with it torch) only by the taxonomy's
+functions, so `import curves` loads neither.
 """
-import argparse, collections, json, os, sys
-
-from analysis import GROUPS, SPURIOUS  # the taxonomy's eight groups; SPURIOUS is the set S2T silences
+import argparse, collections, functools, json, math, os, sys
 
 # (panel title, [(metrics.jsonl key, line label)], y-axis label)
 PANELS = [
@@ -43,6 +42,44 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def taxonomy_groups():
+    """(GROUPS, SPURIOUS): analysis.py's eight token groups and the one S2T silences, imported on first use
+    (analysis imports torch; the curves and the bands need neither)."""
+    from analysis import GROUPS, SPURIOUS
+    return GROUPS, SPURIOUS
+
+
+@functools.lru_cache(maxsize=None)
+def t_quantile(p, df):
+    """Student's t quantile: the x with P(T <= x) = p for T of df degrees of freedom (df >= 1, 0 < p < 1).
+    With T = sqrt(df) tan(u), P(0 < T < sqrt(df) tan(U)) = c * integral of cos(u)^(df - 1) from 0 to U, where
+    c = Gamma((df + 1) / 2) / (sqrt(pi) Gamma(df / 2)): a smooth integrand on [0, pi/2), integrated by
+    Simpson's rule (512 panels) and solved for U by bisection: within 1e-9 of the tables (test_curves.py)."""
+    if not (0 < p < 1 and df >= 1):
+        raise ValueError(f"t_quantile needs 0 < p < 1 and df >= 1, not p={p}, df={df}")
+    if p < 0.5:
+        return -t_quantile(1 - p, df)
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
+
+    def mass(u, panels=512):  # P(0 < T < sqrt(df) tan(u))
+        h = u / panels
+        weights = (1 if k in (0, panels) else 4 if k % 2 else 2 for k in range(panels + 1))
+        return c * h / 3 * sum(w * math.cos(k * h) ** (df - 1) for k, w in enumerate(weights))
+    top = 1.0  # a bracket in t: the panels stay narrow beside the integrand's peak (its width ~ 1/sqrt(df))
+    while mass(math.atan(top / math.sqrt(df))) < p - 0.5:
+        top *= 2
+    lo, hi = 0.0, math.atan(top / math.sqrt(df))
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mass(mid) < p - 0.5 else (lo, mid)
+    return math.sqrt(df) * math.tan((lo + hi) / 2)
+
+
+def t975(n):
+    """The t factor of a 95% interval on a mean over n values (n - 1 degrees of freedom); n >= 2."""
+    return t_quantile(0.975, n - 1)
 
 
 def read_jsonl(path):
@@ -130,7 +167,7 @@ def taxonomy(rows):
     norm and the entropy change averaged over the steps, weighted by the group's share of each step. The
     steps in which no mini-batch had a tau_h (taxonomy/split 0: no S2T candidate) have no groups."""
     out, rows = {}, [r for r in rows if r.get("taxonomy/split")]
-    for g in GROUPS:
+    for g in taxonomy_groups()[0]:
         share = [r.get(f"taxonomy/{g}/tokens") or 0.0 for r in rows]
         weighted = {m: [(s, r[f"taxonomy/{g}/{m}"]) for s, r in zip(share, rows)
                         if r.get(f"taxonomy/{g}/{m}") is not None] for m in ("grad_norm", "dH")}
@@ -143,6 +180,7 @@ def taxonomy(rows):
 
 def taxonomy_table(runs):
     """Markdown: one row per group, each run's token share, mean gradient norm and entropy change."""
+    GROUPS, SPURIOUS = taxonomy_groups()
     head = "| group | " + " | ".join(f"{n}: tokens | {n}: mean grad | {n}: dH" for n in runs) + " |"
     lines = [head, "|---" * (1 + 3 * len(runs)) + "|"]
     for g in GROUPS:
@@ -159,6 +197,7 @@ def taxonomy_table(runs):
 def draw_taxonomy(runs, out):
     tables = {name: taxonomy(read_jsonl(os.path.join(path, "metrics.jsonl"))) for name, path in runs.items()}
     print(taxonomy_table(tables))
+    GROUPS = taxonomy_groups()[0]
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     width = 0.8 / len(tables)
@@ -185,24 +224,34 @@ BAND_PANELS = [("Training accuracy", "accuracy", ""), ("Token entropy", "entropy
 def band_series(rows, key):
     """One run's per-step values of a BAND_PANELS key (s2t_set: the taxonomy's spurious group, per 1e4)."""
     if key == "s2t_set":
-        return [1e4 * (r.get("taxonomy/posA_lowP_lowH/tokens") or 0.0) * r.get("taxonomy/split", 0.0) for r in rows]
+        return [1e4 * (r.get("taxonomy/posA_lowP_lowH/tokens") or 0.0) * r.get("taxonomy/split", 0.0)
+                for r in rows]
     return [r.get(key) or 0.0 for r in rows]
 
 
-def draw_bands(groups, out, window=10, z=2.776):
+def band(ys):
+    """ys: one series per run (seed), all as long. Per step: the mean over the n runs, and the half-width of
+    its 95% t-interval, t975(n) standard errors (0 for one run)."""
+    n = len(ys)
+    mean = [sum(col) / n for col in zip(*ys)]
+    if n < 2:
+        return mean, [0.0] * len(mean)
+    t = t975(n)
+    half = [t * math.sqrt(sum((v - m) ** 2 for v in col) / (n - 1) / n) for col, m in zip(zip(*ys), mean)]
+    return mean, half
+
+
+def draw_bands(groups, out, window=10):
     """groups: {name: [run folders, one per seed]}. Per panel, each group's mean over its runs of the
-    `window`-step mean of a metric, with a band of +-z standard errors (z: Student's t at 97.5% for the
-    group's seeds; 2.776 for 5)."""
+    `window`-step mean of a metric, with its 95% t-interval as a band (band(): Student's t for that group's
+    own number of runs)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(BAND_PANELS), figsize=(4.2 * len(BAND_PANELS), 3.4))
     for color, (name, runs) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], groups.items()):
         rows = [read_jsonl(os.path.join(run, "metrics.jsonl")) for run in runs]
         n = min(map(len, rows))
         for ax, (title, key, ylabel) in zip(axes, BAND_PANELS):
-            ys = [smooth(band_series(r[:n], key), window) for r in rows]
-            mean = [sum(col) / len(col) for col in zip(*ys)]
-            half = [z * (sum((v - m) ** 2 for v in col) / max(len(col) - 1, 1)) ** 0.5 / len(col) ** 0.5
-                    for col, m in zip(zip(*ys), mean)]
+            mean, half = band([smooth(band_series(r[:n], key), window) for r in rows])
             steps = list(range(1, n + 1))
             ax.plot(steps, mean, color=color, label=f"{name} ({len(runs)} seeds)")
             ax.fill_between(steps, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],

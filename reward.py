@@ -846,6 +846,8 @@ def _worker():
 
 def _ask_worker(op, a, b, deadline):
     """The worker's answer to op ("equal": "true"/"false"; "ratio": "pos"/"neg"/"none"), None on timeout."""
+    if time.monotonic() >= deadline:
+        return None  # the check's time is spent: no fresh worker (seconds to start) for its remaining parts
     w = _worker()
     w.proc.stdin.write(json.dumps([op, a, b]) + "\n")
     w.proc.stdin.flush()

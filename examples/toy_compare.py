@@ -2,7 +2,7 @@
 
     python examples/toy_compare.py --out runs/compare                      # stapo and justrl, seeds 0-4
     python examples/toy_compare.py --out runs/c --methods stapo,justrl,grpo --seeds 5,6,7,8,9 --hard --lr 2e-3
-    python examples/toy_compare.py --kernels --seeds 0,1,2 --out runs/kernels   # docs/toy.md's robustness table
+    python examples/toy_compare.py --kernels --seeds 0,1,2 --out runs/kernels  # docs/toy.md's kernel table
 
 One warm start (examples/toy.py's, built once), then one `examples/toy.py --base` process per objective and
 seed, --jobs of them at a time, each with OMP_NUM_THREADS=1. Every run's folder is <out>/<method>_s<seed>
@@ -19,8 +19,10 @@ comparison continues where it stopped. Then it prints one table, the mean and a 
                           0 under STAPO, which silences it), and what it would be were the set kept
                           (grad_share/silenced_if_kept), the mean over steps
 with a last row for the first two objectives' difference, seed by seed (paired: a seed's runs share the warm
-start, the data order and the samples' seeds); and draws <out>/bands.png: each objective's mean over seeds
-with a band (the 95% t-interval) per step.
+start, the data order and the samples' seeds), over the seeds both finished; a seed that only one of them
+finished is left out of that row, and a line under the table names it. The t factor is Student's for the
+row's own number of seeds (curves.t975). It draws <out>/bands.png: each objective's mean over seeds with a
+band (the 95% t-interval for its number of seeds) per step.
 """
 import argparse, json, math, os, subprocess, sys, time
 
@@ -30,8 +32,6 @@ sys.path.insert(0, os.path.dirname(HERE))
 import curves  # noqa: E402
 import toy  # noqa: E402
 
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 19: 2.093, 29: 2.045}  # Student's t, 97.5%
 SPURIOUS = "taxonomy/posA_lowP_lowH/tokens"
 KERNELS = ["native", "avx2", "default"]  # ATEN_CPU_CAPABILITY: unset, avx2, default
 
@@ -42,7 +42,7 @@ def interval(xs):
     if n < 2:
         return mean, None
     sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
-    return mean, T975.get(n - 1, 1.96) * sd / math.sqrt(n)
+    return mean, curves.t975(n) * sd / math.sqrt(n)
 
 
 def spurious_rate(rows):
@@ -83,22 +83,33 @@ def run_metrics(folder):
 
 
 def table(results, before):
-    """Markdown: a row per objective, mean ± half-width over its seeds in each column."""
-    columns = list(next(iter(results.values()))[0])
+    """Markdown: a row per objective, mean ± half-width over its seeds in each column; results is
+    {objective: {seed: its run's figures}}. Then the first two objectives' difference, paired by seed over
+    the seeds both have, and a line naming each seed left out of the pairing (finished by one of the two)."""
+    columns = list(next(row for runs in results.values() for row in runs.values()))
     lines = [f"| objective (seeds) | {' | '.join(columns)} |", "|---" * (len(columns) + 1) + "|"]
     for method, runs in results.items():
+        if not runs:
+            lines.append(f"| {method} (0) | " + " | ".join("no run finished" for _ in columns) + " |")
+            continue
         cells = []
         for c in columns:
-            m, h = interval([r[c] for r in runs])
+            m, h = interval([r[c] for r in runs.values()])
             digits = 3 if c in ("held-out accuracy", "final entropy", "entropy rise") else 2
             cells.append(f"{m:.{digits}f}" + (f" ± {h:.{digits}f}" if h is not None else ""))
         lines.append(f"| {method} ({len(runs)}) | {' | '.join(cells)} |")
-    first, second = list(results)[:2] if len(results) > 1 else (None, None)
-    if first and len(results[first]) == len(results[second]) > 1:  # seed by seed: they share data and samples
-        pairs = list(zip(results[first], results[second]))
-        cells = [interval([a[c] - b[c] for a, b in pairs]) for c in columns]
-        row = " | ".join(f"{m:+.3f} ± {h:.3f}" for m, h in cells)
-        lines.append(f"| {first} − {second}, paired by seed | {row} |")
+    if len(results) > 1:  # seed by seed: a seed's two runs share the warm start, the data and the samples
+        (first, a), (second, b) = list(results.items())[:2]
+        both = [s for s in a if s in b]
+        if len(both) > 1:
+            cells = [interval([a[s][c] - b[s][c] for s in both]) for c in columns]
+            row = " | ".join(f"{m:+.3f} ± {h:.3f}" for m, h in cells)
+            lines.append(f"| {first} − {second}, paired by seed | {row} |")
+        alone = [f"{s} ({first} only)" for s in a if s not in b]
+        alone += [f"{s} ({second} only)" for s in b if s not in a]
+        if alone:
+            lines.append(f"(the paired row is over seeds {', '.join(map(str, both)) or 'none'}; "
+                         f"left out, unpaired: seed {', '.join(alone)})")
     lines.append(f"(the warm start: {before:.3f} held out; ± is the 95% t-interval over seeds)")
     return lines
 
@@ -124,8 +135,9 @@ def launch(jobs, at_once):
 
 
 def toy_command(a, folder, method, seed, base=None):
-    return [sys.executable, os.path.join(HERE, "toy.py"), "--out", folder, "--method", method, "--seed", str(seed),
-            "--steps", str(a.steps), "--lr", str(a.lr), "--sft-steps", str(a.sft_steps), "--no-figure"] + \
+    return [sys.executable, os.path.join(HERE, "toy.py"), "--out", folder, "--method", method, "--seed",
+            str(seed), "--steps", str(a.steps), "--lr", str(a.lr), "--sft-steps", str(a.sft_steps),
+            "--no-figure"] + \
         (["--base", base] if base else []) + (["--hard"] if a.hard else [])
 
 
@@ -134,7 +146,8 @@ def kernels(a, seeds):
     held-out accuracies, a row per seed."""
     jobs = [(k, s, os.path.join(a.out, f"{k}_s{s}")) for s in seeds for k in KERNELS]
     launch([(toy_command(a, f, "stapo", s), {} if k == "native" else {"ATEN_CPU_CAPABILITY": k}, f)
-            for k, s, f in jobs if not os.path.exists(os.path.join(f, "result.json"))], 0 if a.table_only else a.jobs)
+            for k, s, f in jobs if not os.path.exists(os.path.join(f, "result.json"))],
+           0 if a.table_only else a.jobs)
     res = {(k, s): json.load(open(os.path.join(f, "result.json"))) for k, s, f in jobs
            if os.path.exists(os.path.join(f, "result.json"))}
     lines = ["| seed | " + " | ".join(f"{k}: warm start -> after RL" for k in KERNELS) + " |",
@@ -159,10 +172,11 @@ def main(argv=None):
     p.add_argument("--sft-steps", type=int, default=toy.SFT_STEPS, help="the warm start's supervised steps")
     p.add_argument("--hard", action="store_true", help="the toy's --hard: the sum restated before the box")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time, each one process on one thread")
-    p.add_argument("--kernels", action="store_true", help="instead: the toy per seed under each kernel setting "
-                   "(ATEN_CPU_CAPABILITY unset, avx2, default), each with its own warm start; a table of accuracies")
-    p.add_argument("--table-only", action="store_true", help="run nothing: the table (and figure) of the runs "
-                   "already finished in --out")
+    p.add_argument("--kernels", action="store_true", help="instead: the toy per seed under each kernel "
+                   "setting (ATEN_CPU_CAPABILITY unset, avx2, default), each with its own warm start; a "
+                   "table of accuracies")
+    p.add_argument("--table-only", action="store_true", help="run nothing: the table (and figure) of the "
+                   "runs already finished in --out")
     a = p.parse_args(argv)
     methods, seeds = a.methods.split(","), [int(s) for s in a.seeds.split(",")]
     if a.kernels:
@@ -171,15 +185,18 @@ def main(argv=None):
         open(os.path.join(a.out, "kernels.md"), "w").write("\n".join(lines) + "\n")
         return lines
     base = os.path.join(a.out, "base")
-    ta = toy.parse(["--out", a.out, "--sft-steps", str(a.sft_steps), "--method", methods[0]] + (["--hard"] if a.hard else []))[1]
+    ta = toy.parse(["--out", a.out, "--sft-steps", str(a.sft_steps), "--method", methods[0]]
+                   + (["--hard"] if a.hard else []))[1]
     if not os.path.exists(os.path.join(base, "model.safetensors")):
         toy.prepare(ta)
     jobs = [(m, s, os.path.join(a.out, f"{m}_s{s}")) for s in seeds for m in methods]
     launch([(toy_command(a, f, m, s, base), {}, f) for m, s, f in jobs
             if not os.path.exists(os.path.join(f, "result.json"))], 0 if a.table_only else a.jobs)
     jobs = [j for j in jobs if os.path.exists(os.path.join(j[2], "result.json"))]
+    if not jobs:
+        sys.exit(f"no run has finished in {a.out} (no <method>_s<seed>/result.json)")
     before = json.load(open(os.path.join(jobs[0][2], "result.json")))["before"]
-    results = {m: [run_metrics(f) for mm, _, f in jobs if mm == m] for m in methods}
+    results = {m: {s: run_metrics(f) for mm, s, f in jobs if mm == m} for m in methods}
     lines = table(results, before)
     print("\n".join(lines))
     with open(os.path.join(a.out, "table.md"), "w") as f:

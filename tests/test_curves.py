@@ -1,10 +1,15 @@
 """curves.py: the panels from run folders, the silenced-token table, and a clear error without matplotlib."""
 import json
+import math
+import os
+import subprocess
 import sys
 
 import pytest
 
 import curves
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_folder(path, steps, silenced_tokens, with_eval=False):
@@ -18,7 +23,8 @@ def run_folder(path, steps, silenced_tokens, with_eval=False):
             f.write(json.dumps(row) + "\n")
     with open(path / "silenced.jsonl", "w") as f:
         for token in silenced_tokens:
-            f.write(json.dumps({"step": 1, "token": token, "p": 0.01, "H": 0.2, "left": "", "right": ""}) + "\n")
+            f.write(json.dumps({"step": 1, "token": token, "p": 0.01, "H": 0.2, "left": "", "right": ""})
+                    + "\n")
     return path
 
 
@@ -59,13 +65,14 @@ def test_a_missing_matplotlib_or_folder_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_taxonomy_averages_the_groups_over_steps_and_draws_them(tmp_path, capsys):
-    """Token shares average over steps; gradient norm and entropy change average weighted by each step's share.
-    By hand for one group: shares .1 and .3, norms 2 and 4 -> (.1 * 2 + .3 * 4) / .4 = 3.5. A step with no
-    tau_h in any mini-batch (taxonomy/split 0) has no groups and is left out, not counted as empty groups."""
+    """Token shares average over steps; gradient norm and entropy change average weighted by each step's
+    share. By hand for one group: shares .1 and .3, norms 2 and 4 -> (.1 * 2 + .3 * 4) / .4 = 3.5. A step
+    with no tau_h in any mini-batch (taxonomy/split 0) has no groups and is left out, not counted as empty
+    groups."""
     a = run_folder(tmp_path / "stapo", 3, ["x"])
     rows = [json.loads(x) for x in open(a / "metrics.jsonl")]
     for r, share, norm, dh in zip(rows, (0.1, 0.3, 0.0), (2.0, 4.0, None), (-1.0, 1.0, None)):
-        for g in curves.GROUPS:
+        for g in curves.taxonomy_groups()[0]:
             r.update({f"taxonomy/{g}/tokens": 0.0, f"taxonomy/{g}/grad_norm": None, f"taxonomy/{g}/dH": None})
         r.update({"taxonomy/split": 1.0 if norm else 0.0, "taxonomy/posA_lowP_lowH/tokens": share,
                   "taxonomy/posA_lowP_lowH/grad_norm": norm, "taxonomy/posA_lowP_lowH/dH": dh,
@@ -82,3 +89,65 @@ def test_taxonomy_averages_the_groups_over_steps_and_draws_them(tmp_path, capsys
     assert "| posA_lowP_lowH | 0.2 | 3.5 | 0.5 |" in out and "| negA_highP_lowH | 0 | - | - |" in out
     assert "posA_lowP_lowH is the set S2T silences" in out
     assert (tmp_path / "t.png").stat().st_size > 10_000
+
+def test_importing_curves_loads_no_torch():
+    """curves.py needs torch only for the taxonomy's group names (analysis.py's GROUPS), read on first use."""
+    code = "import curves, sys; assert 'torch' not in sys.modules; assert 'analysis' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+    import analysis
+    assert curves.taxonomy_groups() == (analysis.GROUPS, analysis.SPURIOUS)  # one definition, analysis.py's
+
+
+# Student's t at 97.5% (the 95% interval's factor) for df degrees of freedom, to 7 digits
+T975 = {1: 12.7062047, 2: 4.3026527, 3: 3.1824463, 4: 2.7764451, 9: 2.2621572, 16: 2.1199053,
+        29: 2.0452296, 30: 2.0422725, 100: 1.9839715}
+
+
+def test_t_quantile_is_students_for_any_degrees_of_freedom():
+    """The tables' values (12.706, 4.303, 2.776, 2.262, 2.045, 1.984 for df 1, 2, 4, 9, 29, 100; 16 and 30
+    were gaps of the table it replaces, which fell back to 1.96), the closed forms of df 1 and 2 at other
+    levels, the symmetry, and the normal's 1.95996 as df grows."""
+    for df, t in T975.items():
+        assert curves.t_quantile(0.975, df) == pytest.approx(t, abs=2e-7), df
+        assert curves.t975(df + 1) == curves.t_quantile(0.975, df)
+    for p in (0.6, 0.8, 0.9, 0.99, 0.9995):
+        assert curves.t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-9)
+        assert curves.t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-9)
+        assert curves.t_quantile(1 - p, 7) == -curves.t_quantile(p, 7)
+    assert curves.t_quantile(0.8, 4) == pytest.approx(0.9409646, abs=1e-6)
+    assert curves.t_quantile(0.975, 10 ** 6) == pytest.approx(1.959966, abs=1e-5)
+    with pytest.raises(ValueError):
+        curves.t_quantile(0.975, 0)
+
+
+def test_a_band_is_the_t_interval_of_its_own_number_of_runs(tmp_path, monkeypatch):
+    """band() and draw_bands: the half-width is t975(n) standard errors for the n runs of that group, whatever
+    n is (2 runs: 12.706; 3 runs: 4.303), not one n's factor for every group."""
+    mean, half = curves.band([[1.0, 2.0], [3.0, 5.0]])
+    assert mean == [2.0, 3.5] and half == pytest.approx([12.7062047 * 1.0, 12.7062047 * 1.5], rel=1e-7)
+    assert curves.band([[1.0, 2.0]]) == ([1.0, 2.0], [0.0, 0.0])
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+    drawn, fill = [], matplotlib.axes.Axes.fill_between
+
+    def recorded(ax, x, lo, hi, **kw):
+        drawn.append((lo, hi))
+        return fill(ax, x, lo, hi, **kw)
+    monkeypatch.setattr(matplotlib.axes.Axes, "fill_between", recorded)
+    groups = {}
+    for name, accuracies in (("two", (0.2, 0.6)), ("three", (0.1, 0.2, 0.6))):
+        groups[name] = []
+        for k, acc in enumerate(accuracies):
+            folder = tmp_path / f"{name}{k}"
+            folder.mkdir()
+            (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "accuracy": acc}) + "\n"
+                                                          for s in range(1, 4)))
+            groups[name].append(str(folder))
+    curves.draw_bands(groups, str(tmp_path / "bands.png"), window=1)
+    accuracy = drawn[::len(curves.BAND_PANELS)]  # each group's first panel, its training accuracy
+    assert len(accuracy) == 2
+    for (lo, hi), values in zip(accuracy, ((0.2, 0.6), (0.1, 0.2, 0.6))):
+        n, m = len(values), sum(values) / len(values)
+        se = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
+        assert [(h - l) / 2 for l, h in zip(lo, hi)] == pytest.approx([T975[n - 1] * se] * 3, rel=1e-6), n
+    assert (tmp_path / "bands.png").stat().st_size > 10_000

@@ -8,7 +8,6 @@ import pytest
 import socket
 import subprocess
 import sys
-import time
 
 from test_trainer import args_for, assert_same_metrics, assert_same_params, load_params, metrics_of
 
@@ -63,13 +62,14 @@ def test_two_nodes_of_two_train_as_one_process_and_resume_on_a_shared_out(tiny, 
 
 def test_separate_out_folders_fail_at_once_on_every_rank(tiny, tmp_path):
     """Node-local disks: each node's --out is its own folder. Every rank stops with the reason, at the start,
-    before any training; none waits for a collective that will never come."""
+    before any training; none waits for a collective that will never come. The property is where they stop
+    (the check's message on every rank, no step logged), not how long it took: a rank left waiting is caught
+    by nodes()'s timeout, a hang guard."""
     d, _ = tiny
-    t0 = time.time()
     results = nodes(lambda r: args_for(d, tmp_path / f"node{r}", "--steps", "2", "--save-every", "1"), per_node=1,
                     timeout=300)
-    assert time.time() - t0 < 200
     for code, out, err in results:
         assert code != 0
         assert "rank(s) [1] cannot see what rank 0 wrote there" in err and "every node sees" in err, err[-3000:]
-    assert not os.path.exists(tmp_path / "node0" / "metrics.jsonl")
+    for node in ("node0", "node1"):
+        assert not os.path.exists(tmp_path / node / "metrics.jsonl")

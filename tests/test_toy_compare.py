@@ -1,0 +1,46 @@
+"""examples/toy_compare.py's statistics, without running the toy: the t-interval for any number of seeds, and
+the paired row, which pairs runs by their seed and names the seeds it leaves out."""
+import math
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import toy_compare  # noqa: E402
+
+
+@pytest.mark.parametrize("n, t", [(2, 12.7062047), (3, 4.3026527), (5, 2.7764451), (10, 2.2621572),
+                                  (17, 2.1199053), (30, 2.0452296), (31, 2.0422725), (101, 1.9839715)])
+def test_the_interval_uses_students_t_for_its_own_number_of_seeds(n, t):
+    """Half-width t(0.975, n - 1) * sd / sqrt(n) for any n: 17 and 31 seeds were gaps of the old table,
+    which gave them 1.96 (an interval about 8% too narrow)."""
+    xs = [k % 3 / 10 for k in range(n)]
+    mean = sum(xs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    assert toy_compare.interval(xs) == pytest.approx((mean, t * sd / math.sqrt(n)), rel=1e-7)
+
+
+def test_the_paired_row_pairs_runs_by_seed_not_by_order():
+    """Each objective's runs in another seed order, and a seed that only one objective finished: the paired
+    row is the mean and interval of the per-seed differences over the seeds both have, and a line names the
+    seeds left out."""
+    stapo = {3: {"acc": 0.9}, 1: {"acc": 0.8}, 2: {"acc": 1.0}, 7: {"acc": 0.5}}
+    justrl = {1: {"acc": 0.7}, 2: {"acc": 0.8}, 3: {"acc": 0.95}, 9: {"acc": 0.1}}
+    lines = toy_compare.table({"stapo": stapo, "justrl": justrl}, 0.4)
+    m, h = toy_compare.interval([0.9 - 0.95, 0.8 - 0.7, 1.0 - 0.8])  # seeds 3, 1, 2
+    assert lines[-3] == f"| stapo − justrl, paired by seed | {m:+.3f} ± {h:.3f} |"
+    assert lines[-2] == ("(the paired row is over seeds 3, 1, 2; left out, unpaired: seed 7 (stapo only), "
+                         "9 (justrl only))")
+    assert lines[2].startswith("| stapo (4) | 0.80 ± ") and lines[3].startswith("| justrl (4) | 0.64 ± ")
+
+
+def test_all_seeds_paired_prints_no_left_out_line_and_too_few_prints_no_paired_row():
+    both = {0: {"acc": 0.9}, 1: {"acc": 0.8}}
+    lines = toy_compare.table({"stapo": both, "justrl": {1: {"acc": 0.7}, 0: {"acc": 0.8}}}, 0.4)
+    assert lines[-2] == "| stapo − justrl, paired by seed | +0.100 ± 0.000 |"  # by order: 0.2 and 0.0
+    lines = toy_compare.table({"stapo": both, "justrl": {1: {"acc": 0.7}, 5: {"acc": 0.6}}}, 0.4)
+    assert not any("paired by seed |" in line for line in lines)
+    assert lines[-2] == ("(the paired row is over seeds 1; left out, unpaired: seed 0 (stapo only), "
+                         "5 (justrl only))")
