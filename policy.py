@@ -26,11 +26,12 @@ class Policy(torch.nn.Module):
 
     def forward(self, ids, response, temperature, collision=False):
         """ids are right-padded, so causal attention alone never lets a real token see a pad: no
-        mask is needed, and attention runs the fused causal kernel (no [T, T] mask or scores)."""
+        mask is needed, and attention runs the fused causal kernel (no [T, T] mask or scores). The head
+        picks its chunk for the device (head.chunk_rows)."""
         h = self.lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
         at = response[:, 1:]  # the hidden state at t predicts token t + 1
         weight = self.lm.get_output_embeddings().weight
-        return ChunkedHead.apply(h[:, :-1][at], weight, ids[:, 1:][at], float(temperature), 128, collision)
+        return ChunkedHead.apply(h[:, :-1][at], weight, ids[:, 1:][at], float(temperature), None, collision)
 
 
 def refuse_unusual_head(lm, path):

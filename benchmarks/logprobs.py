@@ -2,17 +2,28 @@
 
     python benchmarks/logprobs.py                    # CPU: fp32, 4 x 1024 tokens, vocab 151,936, hidden 1024
     python benchmarks/logprobs.py --hidden 4096      # GPU (auto-detected): bf16, Qwen3-8B's hidden size
+    python benchmarks/logprobs.py --batch 8 --seq 2048 --hidden 2048 --variants naive,chunked,eager,chunk128
+
+The chunked head runs as the trainer runs it: rows per chunk chosen by the head for the device and vocabulary
+(head.chunk_rows: 128 on CPU; --chunk N to force), its per-chunk math compiled on CUDA (head.COMPILE). Rows
+(--variants): naive; chunked (the head's defaults); eager (the head with STAPO_HEAD_COMPILE=0: its buffered
+passes); chunk128 (the head at 128 rows, compiled where the head compiles). The timed pass follows one warm-up
+pass, which also compiles.
 
 Each method runs in its own child process, so one cannot hide the other's peak. On CPU the peak is the
-resident set's high-water mark (VmHWM, reset before the timed pass); on GPU, max_memory_allocated. Memory is reported above what the
-inputs (hidden states, lm_head weight, tokens) already hold.
+resident set's high-water mark (VmHWM, reset before the timed pass); on GPU, max_memory_allocated. Memory
+is reported above what the inputs (hidden states, lm_head weight, tokens) already hold.
 """
 import argparse, json, os, subprocess, sys, time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import head  # noqa: E402
 from head import token_logprobs_and_entropy  # noqa: E402
+
+
+VARIANTS = ["naive", "chunked", "eager", "chunk128"]
 
 
 def naive(hidden, weight, tokens, temperature):
@@ -50,8 +61,9 @@ def run_one(a):
     weight = (torch.randn(a.vocab, a.hidden, device=dev, dtype=dtype) * a.hidden ** -0.5).requires_grad_()
     tokens = torch.randint(a.vocab, (m,), device=dev)
     coef = torch.randn(m, device=dev)
+    chunk = 128 if a.method == "chunk128" else a.chunk  # None: the head's choice
     fn = naive if a.method == "naive" else (
-        lambda *x: token_logprobs_and_entropy(*x, chunk_size=a.chunk))
+        lambda *x: token_logprobs_and_entropy(*x, chunk_size=chunk))
     for it in range(2):  # the first pass warms up; the second is timed and its peak measured
         hidden.grad = weight.grad = None
         base = reset_peak(dev)
@@ -62,7 +74,10 @@ def run_one(a):
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
     print(json.dumps({"seconds": seconds, "peak_gb": (peak_bytes(dev) - base) / 2**30, "device": dev,
-                      "dtype": str(dtype).replace("torch.", "")}))
+                      "dtype": str(dtype).replace("torch.", ""),
+                      "chunk": chunk or head.chunk_rows(dev, a.vocab),
+                      "compiled": head.compiled_here(dev) and a.method != "naive",
+                      "name": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}))
 
 
 def main():
@@ -71,23 +86,33 @@ def main():
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen3's)")
     p.add_argument("--hidden", type=int, default=1024, help="hidden size")
-    p.add_argument("--chunk", type=int, default=128, help="the chunked head's rows per chunk")
-    p.add_argument("--method", choices=["naive", "chunked"], help=argparse.SUPPRESS)
+    p.add_argument("--chunk", type=int, help="the chunked head's rows per chunk (default: the head's choice)")
+    p.add_argument("--variants", default="naive,chunked", help="rows: naive, chunked, eager, chunk128")
+    p.add_argument("--method", choices=VARIANTS, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.method:
         return run_one(a)
-    res = {}
-    for method in ("naive", "chunked"):
+    res, variants = {}, a.variants.split(",")
+    for method in variants:
+        env = {**os.environ, **({"STAPO_HEAD_COMPILE": "0"} if method == "eager" else {})}
         out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--method", method],
-                             check=True, capture_output=True, text=True).stdout
+                             check=True, capture_output=True, text=True, env=env).stdout
         res[method] = json.loads(out.strip().splitlines()[-1])
-    n, c = res["naive"], res["chunked"]
-    print(f"{a.batch} x {a.seq} tokens, vocab {a.vocab}, hidden {a.hidden}, chunk {a.chunk}, "
-          f"{n['device']} {n['dtype']}, forward+backward")
-    print("| method  | time (s) | peak memory above inputs (GiB) |\n|---|---|---|")
-    for k in ("naive", "chunked"):
-        print(f"| {k:7} | {res[k]['seconds']:.3f} | {res[k]['peak_gb']:.2f} |")
-    print(f"chunked/naive: time {c['seconds'] / n['seconds']:.2f}x, memory {c['peak_gb'] / n['peak_gb']:.3f}x")
+    first = res[variants[0]]
+    print(f"{a.batch} x {a.seq} tokens, vocab {a.vocab}, hidden {a.hidden}, {first['name']} "
+          f"{first['dtype']}, forward+backward")
+    print("| method | rows per chunk | compiled | time (s) | peak memory above inputs (GiB) |")
+    print("|---|---|---|---|---|")
+    for k in variants:
+        rows = "-" if k == "naive" else res[k]["chunk"]
+        compiled = "-" if k == "naive" else res[k]["compiled"]
+        print(f"| {k} | {rows} | {compiled} | {res[k]['seconds']:.3f} | {res[k]['peak_gb']:.2f} |")
+    if "naive" in res:
+        n = res["naive"]
+        for k in [v for v in variants if v != "naive"]:
+            c = res[k]
+            print(f"{k}/naive: time {c['seconds'] / n['seconds']:.2f}x, "
+                  f"memory {c['peak_gb'] / n['peak_gb']:.3f}x (chunk {c['chunk']})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,379 @@
+"""The trainer's own passes at a published Qwen3 shape (random weights, no download): time, MFU, peak memory
+and the padding of the micro-batches, on one device.
+
+    python benchmarks/train_passes.py --shape 1.7b --samples 64 --prompt 256 --response 1024     # one GPU
+    python benchmarks/train_passes.py --shape 1.7b --lengths equal,lognormal --grouping project,balanced
+    python benchmarks/train_passes.py --lengths lognormal --padding-only        # the padding alone, no model
+    python benchmarks/train_passes.py --shape tiny --samples 16 --prompt 16 --response 48       # CPU, seconds
+
+The model is a random Qwen3 of the shape (tiny: 2 layers of 64 for the tests; 0.6b, 1.7b, 4b tied; 8b untied;
+V 151,936 but for tiny's 512), saved to a temporary folder and read back by the project's own
+policy.build_policy (FSDP2 on a world of one: fp32 master weights, the compute dtype bf16 on CUDA and fp32 on
+CPU, activation checkpointing), with AdamW as stapo.py builds it (fused on CUDA, foreach on CPU). The batch is
+one mini-batch of --samples rows of random token ids, advantages from random +-1 rewards in groups of 8.
+Phases, each timed after one warm-up run (the median of --reps):
+  old_pass       policy.token_stats over the mini-batch, no grad (stapo.py's step 4: the old log p and H)
+  update         stapo.update: every micro-batch's forward and backward, the loss, the clip, AdamW's step
+  full_logits    the same update, the same model, batch and loss, with the policy's head replaced by full
+                 logits: h @ W.T (compute dtype) -> fp32 log_softmax -> gather (no entropy): the reference
+                 update of a trainer without a fused head (TRL keeps the logits in bf16 instead; its own
+                 GRPOTrainer loss path is not run here: TRL is not on the GPU image)
+Lengths (--lengths, a comma list, one model built for all): equal (every prompt --prompt, every response
+--response tokens); lognormal (responses log-normal, median --response, sigma --sigma, clipped to 200..8,192,
+seeded by --seed); or a file (one response length a line, or JSON lines with a response_len, length or tokens
+field), cycled to --samples.
+
+MFU = model FLOPs / time / (peak TFLOP/s of the device). Model FLOPs of one forward, over the real tokens only
+(padding is waste, not work): 2 x (the decoder layers' matmul parameters) per token, plus causal attention,
+2 x 2 x layers x heads x head_dim x seq^2 / 2 per sample (QK^T and AV), plus the head, 2 x V x hidden per
+response token (the head runs on response tokens only); x3 for a training pass (forward and backward);
+activation recomputation is not counted. Peak TFLOP/s: --peak-tflops, else by the device's name (H100, H200:
+989, dense bf16, SXM); none on CPU (MFU printed as null).
+Padded fraction: of the tokens the decoder computes (each micro-batch padded to its longest sample), the share
+that is padding, for policy.micro_batches (the project's grouping) at --micro-tokens, and for
+balanced_micro_batches below (a prototype, this script's own), printed for every batch. --grouping balanced
+runs the passes in the prototype's micro-batches (patched into policy and stapo, this process only; the
+full_logits reference runs in the project's alone).
+Every phase prints one JSON line; a table and the ratios (of this one run) close the output.
+"""
+import argparse, dataclasses, json, math, os, shutil, statistics, sys, tempfile, time, types
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SHAPES = {  # Qwen3's published configs (Hugging Face config.json of each Base model)
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM datasheets
+SHORTEST, LONGEST = 200, 8192  # the log-normal's clip
+
+
+# ---- the model, the lengths, the batch ------------------------------------------------------------
+
+def save_random_model(folder, shape, device):
+    """A Qwen3 of `shape` with random weights (transformers' own init), saved to `folder` (bf16 for the
+    published shapes, fp32 for tiny); returns its config."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(max_position_embeddings=40960, rope_theta=1e6, **SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg)
+    model.to(torch.float32 if shape == "tiny" else torch.bfloat16).save_pretrained(folder)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return cfg
+
+
+def response_lengths(kind, n, median, sigma, seed):
+    """n response lengths: equal, log-normal (median, sigma, clipped to 200..8,192, seeded) or read from a
+    file (one a line, or JSON lines with response_len, length or tokens), cycled to n."""
+    if kind == "equal":
+        return [median] * n
+    if kind == "lognormal":
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, generator=g, dtype=torch.float64) * sigma + math.log(median)
+        return [min(LONGEST, max(SHORTEST, round(math.exp(v)))) for v in x.tolist()]
+    found = []
+    for line in open(kind):
+        line = line.strip()
+        if not line:
+            continue
+        if line[0] != "{":
+            found.append(int(float(line)))
+            continue
+        row = json.loads(line)
+        value = next(row[k] for k in ("response_len", "length", "tokens") if k in row)
+        found.append(len(value) if isinstance(value, list) else int(value))
+    return [found[i % len(found)] for i in range(n)]
+
+
+def make_rows(n, prompt, lengths, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(vocab, (prompt,), generator=g).tolist(),
+             torch.randint(vocab, (r,), generator=g).tolist()) for r in lengths]
+
+
+# ---- padding: the project's grouping and a prototype ---------------------------------------------
+
+def padding(rows, groups):
+    """(padded fraction of the tokens computed, tokens computed): each micro-batch padded to its longest."""
+    real = computed = 0
+    for g in groups:
+        if g:
+            lengths = [len(rows[i][0]) + len(rows[i][1]) for i in g]
+            real, computed = real + sum(lengths), computed + max(lengths) * len(g)
+    return (1 - real / computed if computed else 0.0), computed
+
+
+def balanced_micro_batches(rows, idx, budget, overhead=None):
+    """A prototype for policy.micro_batches (not the project's): the samples sorted by length, cut into
+    consecutive micro-batches of at most `budget` padded tokens so that the tokens computed (padding included)
+    plus `overhead` tokens per micro-batch (its fixed cost: launches, FSDP's all-gathers; default budget / 16)
+    are fewest: an exact dynamic programme over the cut points, O(n^2). A sample longer than the budget runs
+    alone, as in policy.micro_batches. Returns lists of indices, shortest first (no None: one rank)."""
+    overhead = budget // 16 if overhead is None else overhead
+    order = sorted(idx, key=lambda i: len(rows[i][0]) + len(rows[i][1]))
+    n = [len(rows[i][0]) + len(rows[i][1]) for i in order]
+    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):  # best[j]: the first j samples; the last micro-batch is order[i:j]
+        for i in range(j - 1, -1, -1):
+            if (j - i) * n[j - 1] > budget and j - i > 1:
+                break
+            cost = best[i] + (j - i) * n[j - 1] + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    out, j = [], len(order)
+    while j:
+        out.append(order[cut[j]:j])
+        j = cut[j]
+    return out[::-1]
+
+
+# ---- FLOPs and memory ------------------------------------------------------------------------------
+
+def forward_flops(cfg, rows):
+    """Model FLOPs of one forward over the real tokens of rows (see the docstring)."""
+    d, layers, f = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
+    hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    per_token = 2 * layers * (d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * f)  # q, k, v, o, MLP
+    total = 0
+    for p, r in rows:
+        seq = len(p) + len(r)
+        total += per_token * seq + 4 * layers * hq * hd * seq * seq / 2 + 2 * cfg.vocab_size * d * len(r)
+    return total
+
+
+def reset_peak(cuda):
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the resident set's high-water mark starts again from now
+
+
+def peak_gib(cuda):
+    if cuda:
+        return torch.cuda.max_memory_allocated() / 2**30
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+
+
+# ---- the trainer's calls: each in one place, so a rename is a one-line change ----------------------
+
+def old_pass(P, policy, rows, idx, valid, micro_tokens, temperature):
+    """Step 4: the old policy's log p (and H) of the mini-batch, no grad. Returns [n, R] log p."""
+    return P.token_stats(policy, rows, idx, valid, micro_tokens, temperature).logp
+
+
+def run_update(S, policy, opt, batch, idx, old_logp, args, record):
+    """stapo.update on mini-batch idx, every token kept (keep = valid): its MiniBatch built by field name."""
+    valid = batch.valid[idx]
+    parts = dict(idx=idx, keep=valid, denom=float(valid.sum()), old_logp=old_logp, adv=batch.adv[idx])
+    mb = S.MiniBatch(**{f.name: parts[f.name] for f in dataclasses.fields(S.MiniBatch)})
+    return S.update(policy, opt, batch.rows, batch.valid, mb, args, record)
+
+
+def full_logits_head(hidden, weight, tokens, temperature, chunk_size=None, collision=False):
+    """In place of head.ChunkedHead.apply: full logits -> fp32 log_softmax -> gather (no entropy)."""
+    logp = torch.log_softmax((hidden @ weight.T).float() / temperature, -1).gather(-1, tokens[:, None])
+    zeros = torch.zeros(len(logp) if collision else 0, device=logp.device)
+    return logp[:, 0].clone(), torch.zeros(len(logp), device=logp.device), zeros  # no views: FSDP2 warns
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="1.7b", choices=sorted(SHAPES), help="a published Qwen3 shape")
+    p.add_argument("--samples", type=int, default=64, help="rows of the mini-batch (per rank)")
+    p.add_argument("--prompt", type=int, default=256, help="prompt tokens of every sample")
+    p.add_argument("--response", type=int, default=1024, help="response tokens (lognormal: the median)")
+    p.add_argument("--lengths", default="equal", help="comma list of: equal, lognormal, a file of lengths")
+    p.add_argument("--sigma", type=float, default=1.0, help="the log-normal's sigma")
+    p.add_argument("--seed", type=int, default=0, help="the lengths' and the token ids' seed")
+    p.add_argument("--micro-tokens", type=int, default=16384, help="stapo.py's --micro-tokens")
+    p.add_argument("--grouping", default="project", help="comma list of: project (policy.micro_batches), "
+                   "balanced (the prototype; skipped where it groups as the project does)")
+    p.add_argument("--reps", type=int, default=2, help="timed runs of each phase, after one warm-up")
+    p.add_argument("--phases", default="old_pass,update,full_logits", help="comma list of the phases timed")
+    p.add_argument("--peak-tflops", type=float, help="the device's peak (default: by its name; none on CPU)")
+    p.add_argument("--model-dir", help="a folder saved by an earlier run (default: a new temporary one)")
+    p.add_argument("--padding-only", action="store_true", help="print the padded fractions, run nothing")
+    a = p.parse_args(argv)
+    vocab = SHAPES[a.shape]["vocab_size"]
+    batches = []
+    for kind in a.lengths.split(","):
+        rows = make_rows(a.samples, a.prompt, response_lengths(kind, a.samples, a.response, a.sigma, a.seed),
+                         vocab, a.seed + 1)
+        idx = sorted(range(a.samples), key=lambda i: len(rows[i][0]) + len(rows[i][1]))  # as stapo.py sorts
+        batches.append((kind if kind in ("equal", "lognormal") else "file", rows, idx))
+    if a.padding_only:
+        for name, rows, idx in batches:
+            print_padding(rows, idx, a, name, project=None)
+        return {}
+
+    import head, parallel, policy as P, stapo as S
+    rank, world, device, mesh = parallel.init_distributed()
+    cuda = device.type == "cuda"
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    peak = a.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    t0 = time.perf_counter()
+    folder = a.model_dir or tempfile.mkdtemp(prefix="train_passes_")
+    try:
+        if not os.path.exists(os.path.join(folder, "config.json")):
+            save_random_model(folder, a.shape, device)
+        policy = P.build_policy(folder, mesh, device, dtype)
+    finally:
+        if not a.model_dir:
+            shutil.rmtree(folder, ignore_errors=True)
+    fused = dict(fused=True) if cuda else dict(foreach=True)  # as stapo.py builds it
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.1, **fused)
+    params = sum(t.numel() for t in policy.parameters())
+    print(json.dumps({"phase": "build", "shape": a.shape, "params": params, "device": name,
+                      "dtype": str(dtype)[6:], "torch": torch.__version__,
+                      "seconds": round(time.perf_counter() - t0, 1),
+                      "head_chunk_rows_auto": head.chunk_rows(device, vocab),
+                      "head_compiled": head.compiled_here(device), "peak_tflops": peak,
+                      "samples": a.samples, "micro_tokens": a.micro_tokens}), flush=True)
+    results, project = {}, P.micro_batches
+    for dist_name, rows, idx in batches:
+        project_groups = [g for g in project(rows, idx, a.micro_tokens) if g]
+        print_padding(rows, idx, a, dist_name, project=project_groups)
+        for grouping in a.grouping.split(","):
+            groups = project_groups
+            if grouping == "balanced":
+                groups = balanced_micro_batches(rows, idx, a.micro_tokens)
+                if groups == project_groups and "project" in a.grouping:
+                    continue  # the same micro-batches: the same run
+            # this process only: the grouping the passes run (the project's, or the prototype patched in)
+            P.micro_batches = S.micro_batches = project if grouping == "project" else (
+                lambda rows_, idx_, budget: balanced_micro_batches(rows_, idx_, budget))
+            config = run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name, grouping)
+            results[(dist_name, grouping)] = config
+            print_table(config, a, name, peak, dist_name, grouping)
+        P.micro_batches = S.micro_batches = project
+    return results
+
+
+def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name, grouping):
+    """Each phase of --phases on one batch: one JSON line each; returns them by phase."""
+    import head
+    from metrics import StepMetrics
+    from stapo_core import group_advantages
+    cuda = device.type == "cuda"
+    pad, computed = padding(rows, groups)
+    prompts = [(k // 8, r[0], None) for k, r in enumerate(rows[::8])]
+    sample = lambda r: types.SimpleNamespace(tokens=r[1], logprobs=None, finish_reason="stop")  # noqa: E731
+    samples = [[sample(r) for r in rows[k:k + 8]] for k in range(0, len(rows), 8)]
+    rewards = torch.randint(2, (len(rows),), generator=torch.Generator().manual_seed(a.seed + 2)) * 2.0 - 1
+    batch = S.make_batch(prompts, samples, group_advantages(rewards, min(8, len(rows))), device)
+    args = S.get_args(["--micro-tokens", str(a.micro_tokens)])
+    fwd, tokens = forward_flops(policy.lm.config, rows), sum(len(x) + len(y) for x, y in rows)
+    state, results = {}, {}
+
+    def old():
+        state["old"] = old_pass(P, policy, batch.rows, idx, batch.valid, a.micro_tokens, args.temperature)
+
+    def update():
+        record = StepMetrics(0)
+        run_update(S, policy, opt, batch, idx, state["old"], args, record)
+        return record
+
+    def full_logits():
+        P.ChunkedHead = types.SimpleNamespace(apply=full_logits_head)  # policy's name for the head
+        try:
+            return update()
+        finally:
+            P.ChunkedHead = head.ChunkedHead
+
+    phases = {"old_pass": (old, fwd), "update": (update, 3 * fwd), "full_logits": (full_logits, 3 * fwd)}
+    old()  # the update's old log p, whichever phases run
+    for phase in a.phases.split(","):
+        if phase == "full_logits" and grouping != "project":
+            continue  # the reference runs once per batch, in the project's micro-batches
+        fn, flops = phases[phase]
+        times, peaks = [], []
+        for r in range(a.reps + 1):
+            reset_peak(cuda)
+            t = time.perf_counter()
+            try:
+                record = fn()
+            except torch.OutOfMemoryError as e:
+                print(json.dumps({"phase": phase, "error": "OOM", "detail": str(e)[:200]}), flush=True)
+                torch.cuda.empty_cache()
+                break
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t
+            inner = list(getattr(record, "peaks", {}).values())  # the trainer's own marks reset the peak
+            peaks.append(max([peak_gib(cuda)] + inner))
+            if r:  # the first is the warm-up (compiles, allocator growth)
+                times.append(seconds)
+        if not times:
+            continue
+        s = statistics.median(times)
+        tflops = flops / s / 1e12
+        out = {"phase": phase, "lengths": dist_name, "grouping": grouping, "seconds": round(s, 4),
+               "times": [round(x, 4) for x in times], "tokens_per_s": round(tokens / s),
+               "tflops": round(tflops, 2), "mfu": round(tflops / peak, 4) if peak else None,
+               "peak_gib": round(max(peaks), 3), "padded_frac": round(pad, 4), "micro_batches": len(groups),
+               "tokens": tokens, "tokens_computed": computed}
+        results[phase] = out
+        print(json.dumps(out), flush=True)
+    return results
+
+
+def print_padding(rows, idx, a, dist_name, project):
+    """The padded fraction of each grouping at --micro-tokens (pure arithmetic). project: the groups of
+    policy.micro_batches (None: computed here by its rule, without a process group)."""
+    if project is None:
+        project, cur, longest = [], [], 0  # policy.micro_batches' rule, for --padding-only (no process group)
+        for i in idx:
+            n = len(rows[i][0]) + len(rows[i][1])
+            if cur and max(longest, n) * (len(cur) + 1) > a.micro_tokens:
+                project.append(cur)
+                cur, longest = [], 0
+            cur, longest = cur + [i], max(longest, n)
+        project += [cur] if cur else []
+    for label, groups in (("policy.micro_batches", project),
+                          ("balanced_micro_batches", balanced_micro_batches(rows, idx, a.micro_tokens))):
+        pad, computed = padding(rows, groups)
+        print(json.dumps({"phase": "padding", "lengths": dist_name, "grouping": label,
+                          "micro_tokens": a.micro_tokens, "micro_batches": len(groups),
+                          "padded_frac": round(pad, 4), "tokens_computed": computed,
+                          "tokens": sum(len(x) + len(y) for x, y in rows)}), flush=True)
+
+
+def print_table(results, a, name, peak, dist_name, grouping):
+    print(f"\n{a.shape}, {a.samples} samples, lengths {dist_name}, grouping {grouping}, --micro-tokens "
+          f"{a.micro_tokens}, on {name}; MFU against {peak or 'no'} TFLOP/s (model FLOPs: 2N per token, the "
+          "head on response tokens, causal attention, x3 to train, recomputation not counted)")
+    print("| phase | s | tokens/s | TFLOP/s | MFU | peak GiB | padded |\n|---|---|---|---|---|---|---|")
+    for phase, r in results.items():
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        print(f"| {phase} | {r['seconds']:.3f} | {r['tokens_per_s']} | {r['tflops']:.1f} | {mfu} | "
+              f"{r['peak_gib']:.2f} | {100 * r['padded_frac']:.1f}% |")
+    if "update" in results and "full_logits" in results:
+        u, f = results["update"], results["full_logits"]
+        print(f"update / full_logits: time {u['seconds'] / f['seconds']:.2f}x, peak memory "
+              f"{u['peak_gib'] / f['peak_gib']:.2f}x (one run)")
+    if "update" in results and "old_pass" in results:
+        print(f"update / old_pass: time {results['update']['seconds'] / results['old_pass']['seconds']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
