@@ -14,6 +14,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -192,32 +193,118 @@ def run(a, names, temperature, top_p, rank, world, device):
             engine.close()
 
 
-def exclusive_gpus():
-    """This process's visible GPUs that are in EXCLUSIVE_PROCESS compute mode (one CUDA context per GPU), as
-    nvidia-smi reports them: it creates no context. None found where nvidia-smi is absent or fails."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    cmd = ["nvidia-smi", "--query-gpu=index,compute_mode", "--format=csv,noheader", *(["-i", visible] * bool(visible))]
+MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # MPS's default, where CUDA_MPS_PIPE_DIRECTORY is unset
+
+
+def nvidia_smi(*args):
+    """nvidia-smi's lines (it makes no CUDA context), or None where it is absent or fails."""
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
-        return []
-    rows = [line.split(", ") for line in out.stdout.splitlines()] if out.returncode == 0 else []
-    return [row[0] for row in rows if len(row) == 2 and row[1].strip().lower().startswith("exclusive")]
+        return None
+    return out.stdout.splitlines() if out.returncode == 0 else None
+
+
+def node_gpus():
+    """The node's GPUs, in PCI bus order: {uuid, index (nvidia-smi's), mode (compute mode), name} each; and
+    {MIG device UUID: its GPU's UUID}, asked of `nvidia-smi -L` only when CUDA_VISIBLE_DEVICES names one."""
+    query = nvidia_smi("--query-gpu=uuid,index,pci.bus_id,compute_mode,name", "--format=csv,noheader")
+    rows = sorted((row for row in (line.split(", ", 4) for line in query or []) if len(row) == 5),
+                  key=lambda row: row[2].lower())
+    gpus = [dict(uuid=row[0], index=row[1], mode=row[3], name=row[4]) for row in rows]
+    migs, parent = {}, None
+    listed = nvidia_smi("-L") if "MIG-" in os.environ.get("CUDA_VISIBLE_DEVICES", "") else None
+    for line in listed or []:  # "GPU 0: ... (UUID: GPU-...)", then its "  MIG ... (UUID: MIG-...)" lines
+        uuid = re.search(r"\(UUID: ((GPU|MIG)-[^)]+)\)", line)
+        if uuid and uuid[2] == "GPU":
+            parent = uuid[1]
+        elif uuid:
+            migs[uuid[1]] = parent
+    return gpus, migs
+
+
+def visible_gpus(gpus, migs):
+    """The GPUs CUDA enumerates, in its order, from CUDA_VISIBLE_DEVICES read as CUDA reads it: a comma list
+    of indices, GPU UUIDs or MIG device UUIDs (MIG-<uuid>, or the older MIG-GPU-<uuid>/<gi>/<ci>), a UUID
+    also as any prefix that names one device; the first entry that names none ends the list. Unset: every
+    GPU. An index counts in CUDA's order: PCI bus order under CUDA_DEVICE_ORDER=PCI_BUS_ID, else fastest
+    first, by a heuristic nvidia-smi cannot replay. On GPUs all of one name that is PCI order (as vLLM takes
+    it, platforms/cuda.py); on mixed ones an index gives None: unknown. A MIG device counts as its GPU."""
+    entries = os.environ.get("CUDA_VISIBLE_DEVICES")
+    entries = [str(i) for i in range(len(gpus))] if entries is None else entries.split(",")
+    pci_order = os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID" or len({g["name"] for g in gpus}) <= 1
+    by_uuid = {g["uuid"]: g for g in gpus}
+    visible = []
+    for entry in (e.strip() for e in entries):
+        if entry.startswith("MIG-GPU-"):  # the older form names its GPU
+            entry = entry[4:].split("/")[0]
+        if entry.startswith("MIG-"):  # the GPU of each MIG device the entry names
+            named = [gpu for mig, gpu in migs.items() if mig.startswith(entry)]
+        else:
+            named = [uuid for uuid in by_uuid if entry.startswith("GPU-") and uuid.startswith(entry)]
+        if entry.isdigit() and int(entry) < len(gpus):
+            visible.append(gpus[int(entry)] if pci_order else None)
+        elif len(named) == 1 and named[0] in by_uuid:
+            visible.append(by_uuid[named[0]])
+        else:
+            break
+    return visible
+
+
+def mps_pipe():
+    """The MPS control daemon's pipe directory, where its control pipe is (CUDA's driver connects a process
+    there at its first CUDA call: MPS's clients share its server's one context), else None."""
+    where = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DIRECTORY
+    return where if os.path.exists(os.path.join(where, "control")) else None
+
+
+def gpu_mode(local):
+    """What --judge meets on this rank's GPU, the visible device `local` (its LOCAL_RANK, as
+    init_distributed picks it): (verdict, words). The verdict is "exclusive" (EXCLUSIVE_PROCESS, one CUDA
+    context per GPU; the deprecated EXCLUSIVE_THREAD too), "unknown" (CUDA's order of unlike GPUs, which
+    disagree on their mode), "mps" (either, with an MPS control daemon) or "ok", also where nvidia-smi is
+    absent or fails, or does not list the GPU."""
+    gpus, migs = node_gpus()
+    visible = visible_gpus(gpus, migs)
+    if local >= len(visible):
+        return "ok", None
+    candidates = [visible[local]] if visible[local] else gpus
+    exclusive = [g for g in candidates if g["mode"].strip().lower().startswith("exclusive")]
+    if not exclusive:
+        return "ok", None
+    verdict = "exclusive" if len(exclusive) == len(candidates) else "unknown"
+    named = (g["index"] if verdict == "exclusive" else f"{g['index']} ({g['uuid']})" for g in exclusive)
+    words = ", ".join(named)
+    return ("mps", f"{words} (MPS pipe {mps_pipe()})") if mps_pipe() else (verdict, words)
 
 
 def refuse_exclusive_gpus(a, rank, device):
     """--judge after sampling, on a GPU that allows one CUDA context: this process's context lives as long as
-    the process (CUDA cannot release it in-process), so its judge's process could not get one. Refused on every
-    rank, before anything is generated."""
-    found = sorted({gpu for gpus in gather(exclusive_gpus() if device.type == "cuda" else []) for gpu in gpus})
-    if found:
-        raise SystemExit(1 if rank else f"eval.py --judge: GPU(s) {', '.join(found)} are in EXCLUSIVE_PROCESS compute "
-                         "mode, which allows one CUDA context per GPU. The sampling engine's process keeps its "
-                         "context to its end, so a judge's process could not start beside it. Nothing was "
-                         "generated. Either switch the GPUs to the default mode (nvidia-smi -c DEFAULT, as root) "
-                         "and run this again, or evaluate without --judge and judge in a later run, which never "
-                         f"touches CUDA but in its judge's process: python eval.py --judge-only --out {a.out} "
-                         f"--judge {a.judge}")
+    the process (CUDA cannot release it in-process), so its judge's process could not get one. Each rank
+    checks its own GPU; refused on every rank, before anything is generated. With MPS it goes ahead."""
+    found = gather(gpu_mode(device.index or 0) if device.type == "cuda" else ("ok", None))
+    said = {verdict: sorted({words for v, words in found if v == verdict}) for verdict, _ in found}
+    ways_out = ("Nothing was generated. Either switch the GPUs to the default mode (nvidia-smi -c DEFAULT, "
+                "as root) and run this again, or evaluate without --judge and judge in a later run, which "
+                f"never touches CUDA but in its judge's process: python eval.py --judge-only --out {a.out} "
+                f"--judge {a.judge}")
+    if "exclusive" in said:
+        raise SystemExit(1 if rank else f"eval.py --judge: GPU(s) {', '.join(said['exclusive'])} are in "
+                         "EXCLUSIVE_PROCESS compute mode, which allows one CUDA context per GPU. The "
+                         "sampling engine's process keeps its context to its end, so a judge's process "
+                         f"could not start beside it. {ways_out}")
+    if "unknown" in said:
+        raise SystemExit(1 if rank else "eval.py --judge: which GPU is a rank's cannot be told, and it "
+                         f"matters: GPU(s) {'; '.join(said['unknown'])} of this node are in "
+                         "EXCLUSIVE_PROCESS compute mode (one CUDA context per GPU), others not. "
+                         "CUDA_VISIBLE_DEVICES names GPUs by CUDA's index (or is unset), and CUDA orders "
+                         "GPUs of different kinds fastest first, not as nvidia-smi does. Set "
+                         "CUDA_DEVICE_ORDER=PCI_BUS_ID, or name the GPUs by UUID in CUDA_VISIBLE_DEVICES "
+                         f"(nvidia-smi -L lists them), and run this again. {ways_out}")
+    if "mps" in said and rank == 0:
+        print(f"eval.py --judge: GPU(s) {'; '.join(said['mps'])}: EXCLUSIVE_PROCESS compute mode with an "
+              "MPS control daemon, whose clients share one context; the judge's process can start: going "
+              "ahead", file=sys.stderr, flush=True)
 
 
 def write_results(out, records, results):

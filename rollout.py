@@ -10,12 +10,20 @@ The trainer and eval.py speak to an engine through four calls (and engine.close(
 HFEngine decodes with a transformers model (CPU, tests, small runs); VLLMEngine is colocated vLLM 0.32 (GPU, and
 vLLM's CPU build). Both follow vLLM's seeding rule: a sample's noise depends on neither the batch nor the rank.
 Its logits do on a GPU, unless VLLM_BATCH_INVARIANT=1; on the CPU engines (HF on CPU, vLLM's CPU build) not.
+VLLM_BATCH_INVARIANT=1 is process-wide, and the colocated engine lives in the trainer's process. On CUDA vLLM
+0.32 (model_executor/determinism/batch_invariant.py, init_batch_invariance) swaps aten's CUDA kernels of
+mean.dim, softmax, _softmax, _log_softmax and bmm for Triton ones (on SM 8.x also mm, addmm, matmul and
+linear, whose backward then has no CUDA kernel: the trainer's backward would raise), turns TF32 and
+reduced-precision bf16/fp16 reductions off, prefers cuBLASLt, and sets cuBLAS's workspace and NCCL's channels
+(one) for what is made after. The trainer then runs slower and rounds differently. Read, not run
+(docs/evaluation.md).
 vLLM's CPU build has no sleep mode (VLLMEngine.sleep() does nothing there), runs eager, without chunked
 prefill (seeded requests fail under it on CPU), and emulates bf16, slower.
 """
 import importlib.util
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +62,7 @@ class HFEngine:
         eos = self.model.generation_config.eos_token_id  # may list several (Qwen3: <|im_end|>, <|endoftext|>)
         self.eos = {eos_token_id} | set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.device, self.dtype = device, dtype
+        self.parked = None  # asleep on CUDA: the weights, in host memory (park)
 
     @torch.inference_mode()  # no autograd bookkeeping at all: a tenth of a small model's decode step
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False, logprobs=True):
@@ -64,6 +73,7 @@ class HFEngine:
         rows = [p for p in prompts for _ in range(n)]
         if not rows:
             return []
+        self.wake()
         ids, real, width = left_padded(rows, max_tokens, self.device)
         gens = [torch.Generator().manual_seed(seed + j) for seed in seeds for j in range(n)]
         cache = StaticCache(config=self.model.config, max_cache_len=width + max_tokens)
@@ -92,19 +102,42 @@ class HFEngine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
+        self.wake()
         params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied lm_head has its name
         for name, tensor in named_tensors:
             params[name].copy_(tensor)
 
     @torch.no_grad()
     def logprobs_of(self, tokens):
+        self.wake()
         logits = self.model(torch.tensor([tokens], device=self.device)).logits[0, :-1].float()
         targets = torch.tensor(tokens[1:], device=self.device)
         return logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0].tolist()
 
     def sleep(self):
-        pass
-    close = sleep  # the program's end: a transformers model needs no shutdown
+        """Rollout over. On CUDA the weights go to host memory and torch's cached blocks back to the driver,
+        so the trainer, or eval.py's judge in a process of its own, can have that memory; the next call
+        brings them back (bit for bit). On the CPU nothing moves."""
+        if self.device.type == "cuda":
+            self.park()
+            torch.cuda.empty_cache()
+
+    def park(self):
+        """Each weight copied to host memory, and its tensor on the device replaced by an empty one."""
+        if self.parked is None:
+            params = list(self.model.named_parameters())  # a tied weight once
+            self.parked = {name: p.detach().to("cpu", copy=True) for name, p in params}
+            for _, p in params:
+                p.data = p.data.new_empty(0)
+
+    def wake(self):
+        if self.parked is not None:
+            for name, p in self.model.named_parameters():
+                p.data = self.parked[name].to(self.device)
+            self.parked = None
+
+    def close(self):
+        """The program's end: a transformers model needs no shutdown."""
 
 
 def left_padded(rows, max_tokens, device):
@@ -126,7 +159,7 @@ class VLLMEngine:
     sync re-pushes all weights, so none are backed up in host memory); fp32 dot products in Triton's
     attention are true fp32. On vLLM's CPU build see the module's docstring."""
 
-    def __init__(self, model, tok, max_model_len, gpu_memory_utilization, for_training=True, dtype=None):
+    def __init__(self, model, max_model_len, gpu_memory_utilization, for_training=True, dtype=None):
         from vllm import LLM
         self.cuda, self.asleep = torch.cuda.is_available(), False
         self.dtype = dtype or compute_dtype("auto", torch.device("cuda" if self.cuda else "cpu"))
@@ -178,7 +211,33 @@ class VLLMEngine:
             self.asleep = True
 
     def close(self):
-        close_vllm(self)
+        """At a program's end: vLLM's own shutdown (vLLM 0.32's LLM has none of its own), the engine core's,
+        which frees its workers, their CuMem pools and caches, before the interpreter's teardown. Woken first:
+        the CuMem allocator frees a sleeping engine's memory by unmapping it again, and prints CUDA errors.
+        It also destroys torch's default process group (cleanup_dist_env_and_memory): call it after the last
+        collective. A wake that fails (out of memory, with an error's traceback still holding the trainer's
+        tensors) does not stop the shutdown. Its failure, or the shutdown's, is raised after it, unless
+        another exception is on its way (close from a `finally` or `closing`): that one stays the error
+        reported, and close's own is one warning line on stderr."""
+        if self.llm is None:
+            return
+        llm, asleep, self.llm, self.asleep = self.llm, self.asleep, None, False
+        failed = []
+        if asleep:
+            try:
+                llm.wake_up()
+            except Exception as e:  # noqa: BLE001  (out of memory, say: the shutdown runs all the same)
+                failed.append(e)
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as e:  # noqa: BLE001
+            failed.append(e)
+        if failed and sys.exc_info()[1] is None:  # no other error on its way: close's own is the error
+            raise failed[-1] from (failed[0] if len(failed) == 2 else None)
+        if failed:
+            print("rollout: warning: closing the vLLM engine during another error, which stays the one "
+                  "reported: " + "; then ".join(" ".join(f"{type(e).__name__}: {e}".split()) for e in failed),
+                  file=sys.stderr, flush=True)
 
 
 ENGINE_PIDS = []  # the process that built this process's vLLM engine
@@ -248,7 +307,7 @@ def make_engine(kind, model, tok, device, max_model_len, gpu_memory_utilization,
     if kind == "auto":
         kind = "vllm" if device.type == "cuda" and importlib.util.find_spec("vllm") else "hf"
     if kind == "vllm":
-        return VLLMEngine(model, tok, max_model_len, gpu_memory_utilization, for_training, dtype)
+        return VLLMEngine(model, max_model_len, gpu_memory_utilization, for_training, dtype)
     return HFEngine(model, device, dtype, tok.eos_token_id)
 
 
@@ -260,16 +319,3 @@ def compute_dtype(flag, device):
     if flag == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[flag]
-
-
-def close_vllm(engine):
-    """VLLMEngine.close(), at a program's end: vLLM's own shutdown (vLLM 0.32's LLM has none of its own), the engine
-    core's, which frees its workers, their CuMem pools and caches, before the interpreter's teardown. Woken first:
-    the CuMem allocator frees a sleeping engine's memory by unmapping it again, and prints CUDA errors. It also
-    destroys torch's default process group (cleanup_dist_env_and_memory): call it after the last collective."""
-    if engine.llm is not None:
-        if engine.asleep:
-            engine.llm.wake_up()
-        engine.llm.llm_engine.engine_core.shutdown()
-        engine.llm, engine.asleep = None, False
-

@@ -1,10 +1,12 @@
 """eval.py: benchmark loading (offline copies and Hub layouts), metrics, end to end, compare, bad data."""
+import argparse
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import eval as ev
 import evaluation
@@ -410,6 +412,7 @@ def fake_cuda(tmp_path, name, mode):
     contexts.mkdir()
     return contexts, {**os.environ, "FAKE_CUDA_DIR": str(contexts), "FAKE_CUDA_MODE": mode,
                       "CUDA_VISIBLE_DEVICES": "1", "PYTHONPATH": os.pathsep.join([fake, ROOT]),
+                      "CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "no-mps"),
                       "PATH": os.pathsep.join([fake, os.environ["PATH"]]), "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -450,3 +453,144 @@ def test_the_judge_on_gpus_that_allow_one_cuda_context(tiny, tmp_path):
     results = json.load(open(tmp_path / "b" / "results.json"))
     pids = results["sampler_pids"] + results["judge_pids"]
     assert sorted(map(int, (contexts / "1").read_text().split())) == sorted(pids)  # two contexts, one GPU
+
+
+# ---- --judge's check of this rank's GPU, on a fake nvidia-smi (tests/fake_nvidia_smi) ----------------------
+
+H100 = "NVIDIA H100 80GB HBM3"
+UUIDS = ["GPU-0aa6c3d1-7e2b-4f3c-9d1a-5b8e2f6c4a01", "GPU-1bb7d4e2-8f3c-4a4d-8e2b-6c9f3a7d5b02",
+         "GPU-1bc8e5f3-9a4d-4b5e-9f3c-7d0a4b8e6c03"]
+MIG = "MIG-5c6d7e8f-1a2b-5c3d-8e4f-9a0b1c2d3e4f"
+
+
+def node(*modes, names=(H100,) * 3, migs=()):
+    """A node's GPUs for the fake nvidia-smi: GPU i in compute mode modes[i]; GPU 1 holds the MIG devices."""
+    return {"gpus": [{"uuid": UUIDS[i], "index": i, "pci.bus_id": f"00000000:{0x10 * (i + 1):02X}:00.0",
+                      "compute_mode": mode, "name": names[i], "migs": list(migs) * (i == 1)}
+                     for i, mode in enumerate(modes)]}
+
+
+@pytest.fixture
+def smi(monkeypatch, tmp_path):
+    """Sets the node that nvidia-smi (the fake, first on PATH) reports, and CUDA_VISIBLE_DEVICES (None:
+    unset); no MPS daemon and no CUDA_DEVICE_ORDER unless a test sets them."""
+    fake = os.path.join(ROOT, "tests", "fake_nvidia_smi")
+    monkeypatch.setenv("PATH", os.pathsep.join([fake, os.environ["PATH"]]))
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no-mps"))
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+
+    def set_node(spec, visible=None):
+        monkeypatch.setenv("FAKE_NVIDIA_SMI", json.dumps(spec))
+        if visible is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    return set_node
+
+
+DEX = ("Default", "Exclusive_Process")  # GPU 0 shared, GPU 1 exclusive
+
+
+@pytest.mark.parametrize("visible,local,verdict", [
+    ("1", 0, ("exclusive", "1")), ("0", 0, ("ok", None)),
+    ("0,1", 0, ("ok", None)), ("0,1", 1, ("exclusive", "1")),  # broke: every visible GPU was checked
+    ("1,0", 1, ("ok", None)),
+    (None, 0, ("ok", None)), (None, 1, ("exclusive", "1")),    # unset: every GPU visible; this rank's counts
+    ("0,-1,1", 1, ("ok", None)), ("0,x,1", 1, ("ok", None)),  # an invalid entry ends the list: GPU 1 unseen
+])
+def test_the_judge_checks_this_ranks_gpu_by_index(smi, visible, local, verdict):
+    smi(node(*DEX), visible)
+    assert ev.gpu_mode(local) == verdict
+
+
+@pytest.mark.parametrize("visible,verdict", [
+    (UUIDS[1], ("exclusive", "1")), (UUIDS[0], ("ok", None)),
+    ("GPU-1bb7", ("exclusive", "1")),                         # a prefix that names one GPU, as CUDA takes it
+    ("GPU-1b", ("ok", None)), ("GPU-1bb7x", ("ok", None)),    # naming two, or none: invalid, none visible
+    (f"{UUIDS[0]},{UUIDS[1]}", ("ok", None)),
+])
+def test_the_judge_checks_this_ranks_gpu_by_uuid(smi, visible, verdict):
+    smi(node(*DEX, "Default"), visible)
+    assert ev.gpu_mode(0) == verdict
+
+
+@pytest.mark.parametrize("visible", [MIG, MIG[:12], f"MIG-{UUIDS[1]}/1/0"])
+def test_a_mig_device_is_checked_by_its_gpus_compute_mode(smi, visible):
+    """A MIG device (its UUID, a prefix of it, or the older MIG-GPU-<uuid>/<gi>/<ci>) has its GPU's compute
+    mode, which nvidia-smi's --query-gpu reports (MIG devices are no rows of it). Broke: nvidia-smi -i MIG-...
+    named no device, and the check let the run through."""
+    smi(node(*DEX, migs=[MIG]), visible)
+    assert ev.gpu_mode(0) == ("exclusive", "1")
+    smi(node("Exclusive_Process", "Default", migs=[MIG]), visible)
+    assert ev.gpu_mode(0) == ("ok", None)
+
+
+def test_an_index_among_unlike_gpus_in_cudas_default_order_is_said_to_be_unknown(smi, monkeypatch):
+    """CUDA numbers GPUs fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID; nvidia-smi in PCI bus order. On
+    unlike GPUs whose modes differ an index cannot be placed: "unknown", naming the exclusive ones, unless
+    the order is PCI's, a UUID names the GPU, or every candidate agrees. Broke: nvidia-smi's index was taken
+    for CUDA's, so the wrong GPU could be checked."""
+    names = (H100, "NVIDIA A100-SXM4-80GB", H100)
+    for visible in (None, "0", "1,0"):
+        smi(node(*DEX, "Default", names=names), visible)
+        assert ev.gpu_mode(0) == ("unknown", f"1 ({UUIDS[1]})")
+    smi(node(*DEX, "Default", names=names), UUIDS[0])
+    assert ev.gpu_mode(0) == ("ok", None)
+    smi(node("Exclusive_Process", "Exclusive_Process", "Exclusive_Thread", names=names), "1")
+    assert ev.gpu_mode(0) == ("exclusive", "0, 1, 2")  # whichever it is, it is exclusive
+    smi(node("Default", "Default", "Default", names=names), "1")
+    assert ev.gpu_mode(0) == ("ok", None)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    for visible, local, verdict in (("1", 0, ("exclusive", "1")), (None, 0, ("ok", None)),
+                                    ("2,1", 1, ("exclusive", "1"))):
+        smi(node(*DEX, "Default", names=names), visible)
+        assert ev.gpu_mode(local) == verdict
+
+
+@pytest.mark.parametrize("pipe", ["env", "default"])
+def test_exclusive_gpus_with_an_mps_daemon_go_ahead_saying_so(smi, monkeypatch, tmp_path, capsys, pipe):
+    """EXCLUSIVE_PROCESS with an MPS control daemon (its control pipe in CUDA_MPS_PIPE_DIRECTORY, else in
+    /tmp/nvidia-mps): MPS clients share its server's context, so the judge's process can start; the run goes
+    ahead, with one line that says so. Broke: refused."""
+    where = tmp_path / "mps"
+    where.mkdir()
+    (where / "control").touch()
+    if pipe == "env":
+        monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(where))
+    else:
+        monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
+        monkeypatch.setattr(ev, "MPS_PIPE_DIRECTORY", str(where))
+    smi(node(*DEX), "1")
+    assert ev.gpu_mode(0) == ("mps", f"1 (MPS pipe {where})")
+    monkeypatch.setattr(ev, "gather", lambda x: [x])
+    a = argparse.Namespace(out="runs/x", judge="J")
+    ev.refuse_exclusive_gpus(a, 0, torch.device("cuda", 0))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "EXCLUSIVE_PROCESS" in line and "MPS control daemon" in line and "going ahead" in line
+
+
+@pytest.mark.parametrize("broken", ["absent", "failing"])
+def test_without_a_working_nvidia_smi_the_judge_goes_ahead(smi, monkeypatch, tmp_path, broken):
+    smi({**node(*DEX), "exit": 9}, "1")
+    if broken == "absent":
+        monkeypatch.setenv("PATH", str(tmp_path))
+    assert ev.gpu_mode(0) == ("ok", None)
+
+
+def test_the_refusals_name_the_gpus_and_the_ways_out(smi, monkeypatch):
+    """Every rank's verdict is gathered: any exclusive GPU stops every rank, named by nvidia-smi's index; an
+    unknown order stops them too, with the fix (CUDA_DEVICE_ORDER=PCI_BUS_ID or UUIDs)."""
+    a = argparse.Namespace(out="runs/x", judge="J")
+    monkeypatch.setattr(ev, "gather", lambda x: [("ok", None), ("exclusive", "1"), ("exclusive", "3")])
+    with pytest.raises(SystemExit) as stop:
+        ev.refuse_exclusive_gpus(a, 0, torch.device("cpu"))
+    assert "GPU(s) 1, 3 are in EXCLUSIVE_PROCESS compute mode" in str(stop.value)
+    assert "nvidia-smi -c DEFAULT" in str(stop.value)
+    assert "--judge-only --out runs/x --judge J" in str(stop.value)
+    monkeypatch.setattr(ev, "gather", lambda x: [("unknown", f"1 ({UUIDS[1]})"), ("ok", None)])
+    with pytest.raises(SystemExit) as stop:
+        ev.refuse_exclusive_gpus(a, 0, torch.device("cpu"))
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in str(stop.value) and UUIDS[1] in str(stop.value)
+    with pytest.raises(SystemExit) as stop:
+        ev.refuse_exclusive_gpus(a, 1, torch.device("cpu"))
+    assert stop.value.code == 1  # the other ranks exit quietly

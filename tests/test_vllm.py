@@ -4,6 +4,7 @@ The real engine runs in subprocesses: vLLM's CPU worker rebinds torch's threads 
 the process that builds it. Not exercised here, for the CPU build has none of it: sleep mode (so the
 sleep/wake order is checked on tests/fake_vllm), bf16 weights, CUDA graphs, chunked prefill, NCCL.
 """
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -46,7 +47,7 @@ def test_real_engine_sync_seeds_and_self_check(tiny_vllm, tmp_path):
     model = str(tiny_vllm[0] / "model")
     check = os.path.join(ROOT, "tests", "vllm_engine_check.py")
     r = run([sys.executable, check, model, str(tmp_path / "synced.json"), "synced"])
-    run([sys.executable, check, model, str(tmp_path / "loaded.json"), "loaded"])
+    closed = run([sys.executable, check, model, str(tmp_path / "loaded.json"), "loaded"])
     assert "RotaryEmbedding: Failed to load weights" not in r.stdout + r.stderr  # every sync's noise, filtered
     synced, loaded = (json.load(open(tmp_path / f"{n}.json")) for n in ("synced", "loaded"))
     assert synced["rank_env"] == "0"  # a plain `python` launch: the engine set what the external launcher reads
@@ -62,6 +63,14 @@ def test_real_engine_sync_seeds_and_self_check(tiny_vllm, tmp_path):
     assert set(synced["caught"]) == {"stale", "partial", "lm_head_via_model_load_weights"}
     for name, what in synced["caught"].items():
         assert what.startswith("RuntimeError: engine weight sync"), (name, what)
+    # closed during an error mid-step, its wake out of memory: vLLM's real shutdown ran all the same (the
+    # engine core's finalizer detached, the process group gone), and the error mid-step is the one that
+    # propagated, untouched; the failed wake is one warning line. Broke before: the out-of-memory replaced
+    # it, and there was no shutdown
+    assert loaded["close"] == {"raised": "ValueError: an error mid-step", "context": "None",
+                               "engine_core_alive": False, "group_alive": False, "engine_dropped": True}
+    warned = [x for x in closed.stderr.splitlines() if "rollout: warning: closing the vLLM engine" in x]
+    assert len(warned) == 1 and "RuntimeError: CUDA Error: out of memory" in warned[0], closed.stderr[-3000:]
 
 
 @real_vllm
@@ -215,8 +224,8 @@ def fake_vllm(monkeypatch):
 
 
 def test_gpu_path_sleeps_frees_then_wakes_in_order(tiny, fake_vllm):
-    d, tok = tiny
-    engine = rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55)
+    d, _ = tiny
+    engine = rollout.VLLMEngine(str(d / "model"), 70, 0.55)
     assert fake_vllm.CALLS == [
         ("LLM", {"model": str(d / "model"), "distributed_executor_backend": "external_launcher",
                  "tensor_parallel_size": 1, "seed": 0, "gpu_memory_utilization": 0.55, "enable_sleep_mode": True,
@@ -243,8 +252,8 @@ def test_only_the_training_rollout_asks_for_the_samplers_logprobs(tiny, fake_vll
     """A training engine's rollout asks vLLM for the sampler's log-probs (--rollout-is weighs with them); the
     same engine asked with logprobs=False (an evaluation through it, --eval-every) and an evaluation engine
     (eval.py's) do not. Breaks if generate ignored its logprobs argument, or an eval engine asked for them."""
-    d, tok = tiny
-    engine = rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55)
+    d, _ = tiny
+    engine = rollout.VLLMEngine(str(d / "model"), 70, 0.55)
     engine.load_weights(iter([("a.weight", torch.zeros(2))]))
     asked = lambda: [c[2][0]["logprobs"] for c in fake_vllm.CALLS if c[0] == "generate"][-1]  # noqa: E731
     (groups,) = engine.generate([[5, 6, 7]], 2, 1.0, 1.0, 6, [123])
@@ -253,7 +262,7 @@ def test_only_the_training_rollout_asks_for_the_samplers_logprobs(tiny, fake_vll
     assert asked() is None
     fake_vllm.BUILT.clear()  # a process of its own, as eval.py is
     rollout.ENGINE_PIDS.clear()
-    rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55, for_training=False).generate([[5]], 2, 1.0, 1.0, 6, [1])
+    rollout.VLLMEngine(str(d / "model"), 70, 0.55, for_training=False).generate([[5]], 2, 1.0, 1.0, 6, [1])
     assert asked() is None
 
 
@@ -266,11 +275,35 @@ def test_eval_during_training_asks_no_samplers_logprobs(tiny, fake_vllm, tmp_pat
     data.mkdir()
     (data / "math500.jsonl").write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i} + 1?",
                                                             "answer": str(i + 1)}) + "\n" for i in range(2)))
-    engine = rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55)  # a training engine, as --eval-every's
+    engine = rollout.VLLMEngine(str(d / "model"), 70, 0.55)  # a training engine, as --eval-every's
     engine.load_weights(iter([("a.weight", torch.zeros(2))]))
     records = evaluation.evaluate(engine, tok, ["math500"], evaluation.EvalOptions(2, max_tokens=6, data_dir=str(data)))
     assert len(records) == 4
     assert [p["logprobs"] for c in fake_vllm.CALLS if c[0] == "generate" for p in c[2]] == [None, None]
+
+
+@pytest.mark.parametrize("error_on_its_way", [True, False])
+def test_a_wake_that_fails_at_close_still_shuts_down(tiny, fake_vllm, monkeypatch, capsys, error_on_its_way):
+    """close() on a sleeping engine whose wake runs out of memory (an error mid-step, the trainer's tensors
+    still held): vLLM's shutdown runs all the same, after the wake was tried. During another error (`closing`,
+    as stapo.py closes it) that error propagates untouched and the failed wake is one warning line; on a
+    normal exit the wake's error is raised, after the shutdown. A second close does nothing. Broke before: the
+    wake's out-of-memory replaced the error mid-step, and the engine was never shut down."""
+    d, _ = tiny
+    engine = rollout.VLLMEngine(str(d / "model"), 70, 0.55)  # a training engine: asleep
+    monkeypatch.setattr(fake_vllm, "WAKE_FAILS", RuntimeError("CUDA Error: out of memory"))
+    if error_on_its_way:
+        with pytest.raises(ValueError, match="mid-step") as raised, contextlib.closing(engine):
+            raise ValueError("an error mid-step")
+        assert raised.value.__context__ is None  # nothing of close's chained onto it
+        warned = capsys.readouterr().err.splitlines()
+        assert len(warned) == 1 and "RuntimeError: CUDA Error: out of memory" in warned[0], warned
+    else:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine.close()
+    assert fake_vllm.CALLS[-2:] == [("wake_up failed", ("kv_cache", "weights")), ("shutdown", "asleep")]
+    engine.close()
+    assert fake_vllm.CALLS[-1] == ("shutdown", "asleep") and engine.llm is None
 
 
 def test_the_fake_enforces_the_real_limits(fake_vllm):
@@ -288,16 +321,26 @@ def test_the_fake_enforces_the_real_limits(fake_vllm):
     llm.sleep(level=2)
     with pytest.raises(RuntimeError, match="sleeping"):
         llm.generate([{"prompt_token_ids": [1]}], [fake_vllm.SamplingParams(n=1)])
+    with pytest.raises(RuntimeError, match="shutdown of a sleeping engine"):  # never asked to wake
+        llm.llm_engine.engine_core.shutdown()
+    fake_vllm.WAKE_FAILS = RuntimeError("CUDA Error: out of memory")
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            llm.wake_up()
+    finally:
+        fake_vllm.WAKE_FAILS = None
+    llm.llm_engine.engine_core.shutdown()  # the wake was tried: vLLM shuts down, with CUDA errors
+    assert fake_vllm.CALLS[-2:] == [("wake_up failed", ("kv_cache", "weights")), ("shutdown", "asleep")]
 
 
 def test_one_vllm_engine_per_process_whatever_the_fake(tiny, fake_vllm):
     """rollout.VLLMEngine itself refuses a second engine in a process, before vLLM is asked for one: on the
     real CPU build too, which has no such limit of its own."""
-    d, tok = tiny
-    rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55)
+    d, _ = tiny
+    rollout.VLLMEngine(str(d / "model"), 70, 0.55)
     fake_vllm.BUILT.clear()
     with pytest.raises(RuntimeError, match="a second vLLM engine .* in process"):
-        rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55, for_training=False)
+        rollout.VLLMEngine(str(d / "model"), 70, 0.55, for_training=False)
     assert rollout.ENGINE_PIDS == [os.getpid()]
 
 
@@ -305,15 +348,15 @@ def test_one_vllm_engine_per_process_whatever_the_fake(tiny, fake_vllm):
 def test_fp32_on_a_gpu_makes_tritons_attention_true_fp32(tiny, fake_vllm, dtype, ieee):
     """fp32 on CUDA selects vLLM's Triton attention, whose tl.dot calls name no input_precision: Triton then
     reads TRITON_F32_DEFAULT, else computes fp32 dots in TF32. The engine sets it to ieee for fp32 only."""
-    d, tok = tiny
-    rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55, dtype=dtype)
+    d, _ = tiny
+    rollout.VLLMEngine(str(d / "model"), 70, 0.55, dtype=dtype)
     assert fake_vllm.CALLS[0][1]["dtype"] == str(dtype)[6:]
     assert os.environ.get("TRITON_F32_DEFAULT") == ("ieee" if ieee else None)
 
 
 def test_a_prefix_cache_that_cannot_be_reset_stops_the_sync(tiny, fake_vllm, monkeypatch):
-    d, tok = tiny
-    engine = rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55)
+    d, _ = tiny
+    engine = rollout.VLLMEngine(str(d / "model"), 70, 0.55)
     monkeypatch.setattr(engine.llm, "reset_prefix_cache", lambda: False)  # vLLM: blocks still held
     with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
         engine.load_weights(iter([("a.weight", torch.zeros(2))]))
@@ -322,8 +365,8 @@ def test_a_prefix_cache_that_cannot_be_reset_stops_the_sync(tiny, fake_vllm, mon
 def test_the_rotary_reload_warning_is_filtered_and_no_other(tiny, fake_vllm):
     """Every reload logs "RotaryEmbedding: Failed to load weights" (vLLM keeps its rotary cache, which nothing
     sends: model_loader/reload/layerwise.py:255-267); the engine drops that line, and only that one."""
-    d, tok = tiny
-    rollout.VLLMEngine(str(d / "model"), tok, 70, 0.55)
+    d, _ = tiny
+    rollout.VLLMEngine(str(d / "model"), 70, 0.55)
     log, seen = logging.getLogger(rollout.RELOAD_LOGGER), []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
@@ -348,7 +391,7 @@ def test_the_judge_path_builds_one_engine_per_process(tiny, tmp_path, process_gr
     at a barrier on the project's own group, then a judge process of its own (the fake in it too) builds the
     judge's engine; the fake raises on a second engine in a process, as vLLM's GPU build would fail."""
     import eval as ev
-    d, tok = tiny
+    d, _ = tiny
     (tmp_path / "math500.jsonl").write_text('{"id": "0", "problem": "What is 1 + 1?", "answer": "2"}\n')
     barriers = []
     monkeypatch.setattr(torch.distributed, "barrier", lambda: barriers.append(len(fake_vllm.CALLS)))

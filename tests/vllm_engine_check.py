@@ -3,8 +3,10 @@ as JSON. Run by tests/test_vllm.py in a subprocess: vLLM's CPU worker rebinds th
 rest of the process that builds it.
 
     python tests/vllm_engine_check.py MODEL OUT.json synced    # dummy load, then the trainer's sync
-    python tests/vllm_engine_check.py MODEL OUT.json loaded    # an engine that loaded MODEL normally
+    python tests/vllm_engine_check.py MODEL OUT.json loaded    # an engine that loaded MODEL normally,
+                                                               # then closed during an error, its wake failing
 """
+import contextlib
 import json
 import os
 import sys
@@ -16,6 +18,7 @@ sys.path.insert(0, ROOT)
 import rollout  # noqa: E402
 import problems  # noqa: E402
 import parallel  # noqa: E402
+import policy as policies  # noqa: E402
 import stapo  # noqa: E402
 from problems import encode_prompt  # noqa: E402
 from rollout import VLLMEngine  # noqa: E402
@@ -42,15 +45,16 @@ def main(model, out, mode):
     from transformers import AutoTokenizer
     rank, world, device, mesh = parallel.init_distributed()
     tok = AutoTokenizer.from_pretrained(model)
-    engine = VLLMEngine(model, tok, 128, 0.5, for_training=mode == "synced")
+    engine = VLLMEngine(model, 128, 0.5, for_training=mode == "synced")
     seen = {"rank_env": os.environ.get("RANK")}
     probe = encode_prompt(tok, "What is 1 + 1?")
     if mode == "loaded":
         seen["tokens"] = sample(engine, tok, PROMPTS, SEEDS)
+        seen["close"] = close_during_an_error(engine)
         return json.dump(seen, open(out, "w"))
 
     # the first sync replaces the dummy weights; the probe then matches the trainer to float precision
-    policy = stapo.build_policy(model, mesh, device)
+    policy = policies.build_policy(model, mesh, device)
     seen["dummy_probe_gap"] = max(abs(a - b) for a, b in zip(engine.logprobs_of(probe), stapo_logprobs(policy, probe)))
     seen["first_gap"] = stapo.sync_engine(engine, policy, probe, device)[1]
     seen["tokens"] = sample(engine, tok, PROMPTS, SEEDS)
@@ -78,10 +82,29 @@ def main(model, out, mode):
     json.dump(seen, open(out, "w"))
 
 
+def close_during_an_error(engine):
+    """An error mid-step while the engine sleeps, and the wake at close runs out of memory (the CPU build has
+    no sleep mode: the state and the failing wake are set by hand). What propagates, and whether vLLM's real
+    shutdown ran: it detaches the engine core's finalizer and destroys the default process group."""
+    core = engine.llm.llm_engine.engine_core
+    engine.asleep = True
+
+    def wake_up(tags=None):
+        raise RuntimeError("CUDA Error: out of memory at cumem_allocator.cpp:128")
+    engine.llm.wake_up = wake_up
+    try:
+        with contextlib.closing(engine):
+            raise ValueError("an error mid-step")
+    except Exception as e:  # noqa: BLE001  (what propagated is the result)
+        raised = f"{type(e).__name__}: {e}", repr(e.__context__)
+    return {"raised": raised[0], "context": raised[1], "engine_core_alive": core._finalizer.alive,
+            "group_alive": torch.distributed.is_initialized(), "engine_dropped": engine.llm is None}
+
+
 def stapo_logprobs(policy, probe):
     rows, valid = [(probe[:1], probe[1:])], torch.ones(1, len(probe) - 1, dtype=torch.bool)
     with torch.no_grad():
-        return stapo.response_logprobs(policy, rows, [0], valid, 1.0)[0][0].tolist()
+        return policies.response_logprobs(policy, rows, [0], valid, 1.0).logp[0].tolist()
 
 
 def faulty_pushes(engine):
@@ -106,4 +129,5 @@ if __name__ == "__main__":
     try:
         main(*sys.argv[1:])
     finally:  # a process group alive at exit can abort the process ("terminate called without an active exception")
-        torch.distributed.destroy_process_group()
+        if torch.distributed.is_initialized():  # vLLM's shutdown destroys it
+            torch.distributed.destroy_process_group()

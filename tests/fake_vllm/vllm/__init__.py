@@ -11,7 +11,12 @@ v1/worker/gpu_worker.py:399-401), whose pools any engine's shutdown releases (gp
 With FAKE_VLLM_LOG set, each build appends {"pid", "model", "enable_sleep_mode"} to that file.
 reset_prefix_cache returns True, as the real one does once no request holds a block (block_pool.py:827-843).
 llm_engine.engine_core.shutdown() is vLLM's shutdown (v1/engine/core_client.py:401-403); it refuses a sleeping
-engine, whose unmapped CuMem memory the real one would free with CUDA errors (device_allocator/cumem.py:204-231).
+engine that was never asked to wake, whose unmapped CuMem memory the real one would free with CUDA errors
+(device_allocator/cumem.py:204-231). With WAKE_FAILS set (an exception), wake_up raises it, as the real one
+raises the out-of-memory of the allocation it could not map (cumem.py:345-351, create_and_map, one allocation
+at a time), and the engine stays asleep; its shutdown then goes ahead, as the real one does (printing CUDA
+errors for the memory still unmapped): the order a close must keep, wake_up first, then the shutdown whatever
+the wake did.
 Generation returns fixed tokens: the real engine's sampling is tested against vLLM's CPU build.
 """
 import json
@@ -19,6 +24,7 @@ import os
 from types import SimpleNamespace
 
 CALLS = []
+WAKE_FAILS = None  # an exception for every wake_up to raise (a test sets it)
 MAX_NUM_ALLOWED_TOKEN_IDS = 1024
 BUILT = []  # the models this process built an engine for: one at most
 
@@ -37,7 +43,7 @@ class LLM:
                                "keeps process-wide state for one engine")
         BUILT.append(model)
         CALLS.append(("LLM", {"model": model, **kwargs}))
-        self.kwargs, self.asleep = kwargs, set()
+        self.kwargs, self.asleep, self.wake_tried = kwargs, set(), False
         if os.environ.get("FAKE_VLLM_LOG"):
             with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
                 f.write(json.dumps({"pid": os.getpid(), "model": model,
@@ -47,21 +53,25 @@ class LLM:
         if not self.kwargs.get("enable_sleep_mode"):
             raise ValueError("Sleep mode is not enabled")
         CALLS.append(("sleep", level))
-        self.asleep = {"weights", "kv_cache"}
+        self.asleep, self.wake_tried = {"weights", "kv_cache"}, False
 
     def wake_up(self, tags=None):
         tags = set(tags or ("weights", "kv_cache"))
         if not tags <= self.asleep:
             raise RuntimeError(f"wake_up({sorted(tags)}) on an engine that is not asleep")
+        self.wake_tried = True
+        if WAKE_FAILS is not None:
+            CALLS.append(("wake_up failed", tuple(sorted(tags))))
+            raise WAKE_FAILS
         CALLS.append(("wake_up", tuple(sorted(tags))))
         self.asleep -= tags
 
     @property
     def llm_engine(self):
         def shutdown():
-            if self.asleep:
+            if self.asleep and not self.wake_tried:
                 raise RuntimeError("shutdown of a sleeping engine: its unmapped memory would be freed")
-            CALLS.append(("shutdown",))
+            CALLS.append(("shutdown", "asleep") if self.asleep else ("shutdown",))
         return SimpleNamespace(engine_core=SimpleNamespace(shutdown=shutdown))
 
     def collective_rpc(self, method, kwargs=None):
