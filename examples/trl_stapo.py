@@ -132,7 +132,7 @@ class STAPOTrainer(GRPOTrainer):
                                  max_log_ratio=self.max_log_ratio)
         metrics = self._metrics["train" if self.model.training else "eval"]
         for name in ("clip_low", "clip_high"):
-            metrics[f"stapo/{name}"].append(stats[name])  # this process's fraction of its kept tokens
+            metrics[f"stapo/{name}"].append(float(stats[name]))  # this process's share of its kept tokens
         return loss
 
 
