@@ -421,15 +421,23 @@ class FixedEngine(HFEngine):
         super().load_weights(named)
 
 
-def test_degenerate_batches_give_finite_steps(tiny, tmp_path):
+def one_step_on_four_prompts(tiny, tmp_path, *flags):
+    """What train_step needs on the tiny model's first 4 problems, step 0 at full lr: (args, policy, opt,
+    device, the problems, their prompts, and ids(text): a response's token ids)."""
     d, tok = tiny
-    args = stapo.get_args(args_for(d, tmp_path, "--method", "stapo", "--warmup-steps", "0"))  # step 0 at full lr
+    args = stapo.get_args(args_for(d, tmp_path, "--warmup-steps", "0", *flags))
     rank, world, device, mesh = parallel.init_distributed()
     policy = stapo.build_policy(args.model, mesh, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     data = problems.load_problems(args.dataset)[:4]
     prompts = [(i, problems.encode_prompt(tok, p), a) for i, (p, a) in enumerate(data)]
     ids = lambda s: tok(s, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
+    return args, policy, opt, device, data, prompts, ids
+
+
+def test_degenerate_batches_give_finite_steps(tiny, tmp_path):
+    tok = tiny[1]
+    args, policy, opt, device, data, prompts, ids = one_step_on_four_prompts(tiny, tmp_path, "--method", "stapo")
     right, wrong = ids(f"\\boxed{{{data[0][1]}}}"), ids("\\boxed{99}")
     groups = [[Sample(right, "stop")] * 4,                                   # all correct: zero advantage
               [Sample(ids("\\boxed{98}"), "stop")] * 4,                      # all wrong: zero advantage
@@ -459,14 +467,8 @@ def test_a_non_finite_gradient_skips_the_update(tiny, tmp_path, monkeypatch, cap
     every weight stays finite and equal to what it was, Adam's state stays empty, and the row says each update
     was skipped, with one line on stderr. The next step, its loss finite, trains. Breaks with opt.step() on a
     NaN norm (the clip multiplies every gradient by NaN; AdamW writes it into the weights)."""
-    d, tok = tiny
-    args = stapo.get_args(args_for(d, tmp_path, "--warmup-steps", "0", "--minibatches", "2"))
-    rank, world, device, mesh = parallel.init_distributed()
-    policy = stapo.build_policy(args.model, mesh, device)
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    data = problems.load_problems(args.dataset)[:4]
-    prompts = [(i, problems.encode_prompt(tok, p), a) for i, (p, a) in enumerate(data)]
-    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # noqa: E731
+    tok = tiny[1]
+    args, policy, opt, device, data, prompts, ids = one_step_on_four_prompts(tiny, tmp_path, "--minibatches", "2")
     groups = [[Sample(ids(f"\\boxed{{{a}}}"), "stop")] * 2 + [Sample(ids("\\boxed{99}"), "stop")] * 2
               for _, _, a in prompts]  # half right in every group: every update has a signal
     engine = FixedEngine(groups, args.model, tok)
