@@ -137,7 +137,6 @@ class ChunkedHead(torch.autograd.Function):
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_w = torch.empty_like(weight)
         width = max(1, ctx.chunk_size * weight.shape[0] // max(1, len(hidden)))
-        rows = torch.arange(len(hidden), device=hidden.device)
         scale = grad_logp / temperature
         if ctx.compiled and compiled_here(hidden.device):  # not after a failed compile
             for v in range(0, weight.shape[0], width):
@@ -152,8 +151,9 @@ class ChunkedHead(torch.autograd.Function):
             z = buffer[:len(hidden) * len(w)].view(len(hidden), len(w))
             torch.mm(h, w.T, out=z) if weight.dtype == z.dtype else z.copy_(h @ w.T)
             g = z.div_(temperature).sub_(logz[:, None]).exp_().mul_(-scale[:, None])  # -g softmax(z) / T
-            here = (tokens >= v) & (tokens < v + width)
-            g[rows[here], tokens[here] - v] += scale[here]  # + g * onehot(y) / T
+            column = tokens - v  # + g * onehot(y) / T, where y is in this slice (no host sync: no mask index)
+            here = torch.where((column >= 0) & (column < len(w)), scale, 0.0)
+            g.scatter_add_(1, column.clamp(0, len(w) - 1)[:, None], here[:, None])
             g = g.to(weight.dtype)
             torch.mm(g.T, h, out=grad_w[v:v + width])  # this slice of the lm_head gradient, once
             grad_h += g @ w  # in fp32: the sum over the slices

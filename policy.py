@@ -23,15 +23,23 @@ class Policy(torch.nn.Module):
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
+        # transformers builds each forward's causal mask and, looking for packed sequences, reads a tensor back
+        # (a wait on the GPU). Right-padded ids need no mask where the attention kernel masks causally itself:
+        # there, the masks are given as None, which is what transformers would have built.
+        config = lm.config
+        causal = config._attn_implementation in ("sdpa", "flash_attention_2", "flash_attention_3")
+        kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+        self.masks = {kind: None for kind in kinds} if causal and kinds == {"full_attention"} else None
 
-    def forward(self, ids, response, temperature, collision=False):
-        """ids are right-padded, so causal attention alone never lets a real token see a pad: no
-        mask is needed, and attention runs the fused causal kernel (no [T, T] mask or scores). The head
+    def forward(self, ids, at, temperature, collision=False):
+        """ids [B, T] are right-padded, so causal attention alone never lets a real token see a pad: no
+        mask is needed, and attention runs the fused causal kernel (no [T, T] mask or scores). at [M]: the
+        flat positions in ids whose hidden state predicts a response token (the token at + 1). The head
         picks its chunk for the device (head.chunk_rows)."""
-        h = self.lm.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-        at = response[:, 1:]  # the hidden state at t predicts token t + 1
+        h = self.lm.get_decoder()(input_ids=ids, attention_mask=self.masks, use_cache=False).last_hidden_state
         weight = self.lm.get_output_embeddings().weight
-        return ChunkedHead.apply(h[:, :-1][at], weight, ids[:, 1:][at], float(temperature), None, collision)
+        hidden, tokens = h.flatten(0, 1).index_select(0, at), ids.flatten().index_select(0, at + 1)
+        return ChunkedHead.apply(hidden, weight, tokens, float(temperature), None, collision)
 
 
 def refuse_unusual_head(lm, path):
@@ -88,18 +96,20 @@ def head_grad_norm(policy):
 # ---- the policy's passes over a batch ------------------------------------------------------------
 
 def micro_batches(rows, idx, budget):
-    """Split sample indices into micro-batches of at most `budget` padded tokens, shortest samples
-    first (similar lengths share a micro-batch, so little of it is padding), the same count on every
-    rank (FSDP's collectives need it): a rank with fewer runs empty ones (None)."""
-    out, cur, longest = [], [], 0
-    for i in sorted(idx, key=lambda i: len(rows[i][0]) + len(rows[i][1])):
-        n = len(rows[i][0]) + len(rows[i][1])
-        if cur and max(longest, n) * (len(cur) + 1) > budget:
-            out.append(cur)
-            cur, longest = [], 0
-        cur, longest = cur + [i], max(longest, n)
-    if cur:
-        out.append(cur)
+    """Split idx, sample indices sorted by length (shortest first, as split_minibatches gives them), into
+    consecutive runs of at most `budget` padded tokens (similar lengths share a micro-batch, so little of it
+    is padding): a list of slices of idx, the same count on every rank (FSDP's collectives need it); a rank
+    with fewer runs empty ones (None)."""
+    n = [len(rows[i][0]) + len(rows[i][1]) for i in idx]
+    if n != sorted(n):
+        raise ValueError("policy.micro_batches: idx must be sorted by length, shortest first")
+    out, start = [], 0
+    for end in range(1, len(n) + 1):  # the run idx[start:end], padded to n[end - 1]
+        if end - start > 1 and n[end - 1] * (end - start) > budget:
+            out.append(slice(start, end - 1))
+            start = end - 1
+    if n:
+        out.append(slice(start, len(n)))
     count = int(all_reduce_numbers(len(out), op=dist.ReduceOp.MAX)[0])
     return out + [None] * (count - len(out))
 
@@ -128,18 +138,30 @@ class TokenStats:
 
 def response_logprobs(policy, rows, idx, valid, temperature, collision=False):
     """The policy's one forward path: the TokenStats [len(idx), R] of the response tokens of samples idx
-    (zero outside `valid`), log p with the graph."""
-    device = valid.device
+    (zero after each response), log p with the graph. valid: the batch's [N, R] response mask (each row's
+    first len(response) entries; its shape and device are read). Every index is built here, on the host,
+    and copied once (pinned on CUDA): nothing waits on the device."""
+    device, R = valid.device, valid.shape[1]
     seqs = [rows[i][0] + rows[i][1] for i in idx]
-    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-    response = torch.zeros_like(ids, dtype=torch.bool)
+    T = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    at, to = [], []  # each response token: the flat position predicting it in ids, and its own in [n, R]
     for k, (i, s) in enumerate(zip(idx, seqs)):
         ids[k, :len(s)] = torch.tensor(s)
-        response[k, len(rows[i][0]):len(s)] = True
-    logp, entropy, sum_sq = policy(ids.to(device), response.to(device), temperature, collision)
-    v = valid[idx]
-    padded = lambda x: torch.zeros(v.shape, device=device).masked_scatter(v, x)  # noqa: E731
+        prompt, response = len(rows[i][0]), len(rows[i][1])
+        at.append(torch.arange(k * T + prompt - 1, k * T + len(s) - 1))
+        to.append(torch.arange(k * R, k * R + response))
+    ids, at, to = (to_device(x, device) for x in (ids, torch.cat(at), torch.cat(to)))
+    logp, entropy, sum_sq = policy(ids, at, temperature, collision)
+    padded = lambda x: x.new_zeros(len(idx) * R).index_copy(0, to, x).view(len(idx), R)  # noqa: E731
     return TokenStats(padded(logp), padded(entropy), padded(sum_sq) if collision else None)
+
+
+def to_device(x, device):
+    """A host tensor on `device` without waiting: through pinned memory on CUDA."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 @torch.no_grad()
@@ -147,9 +169,8 @@ def token_stats(policy, rows, idx, valid, micro_tokens, temperature, collision=F
     """The TokenStats of mini-batch idx without a graph (its log p, H and, if asked, sum pi^2), computed in
     the micro-batches stapo.update runs it in: the same shapes, so the same numbers for the same weights."""
     out = TokenStats.zeros((len(idx), valid.shape[1]), valid.device, collision)
-    at = {i: k for k, i in enumerate(idx)}
-    for micro in micro_batches(rows, idx, micro_tokens):
-        part = response_logprobs(policy, rows, micro or idx[:1], valid, temperature, collision)
-        if micro:  # None: this rank has fewer micro-batches than another, and runs one sample for nothing
-            out[[at[i] for i in micro]] = part
+    for part in micro_batches(rows, idx, micro_tokens):
+        stats = response_logprobs(policy, rows, idx[part or slice(1)], valid, temperature, collision)
+        if part:  # None: this rank has fewer micro-batches than another, and runs one sample for nothing
+            out[part] = stats
     return out

@@ -280,14 +280,13 @@ def update(policy, opt, rows, valid, mb, args, record):
     head's, before the clip. FSDP2 reduce-scatters the gradients after every micro-batch, so no rank ever
     holds an unsharded gradient of the whole model. A non-finite norm (one bad batch) skips the step, as
     verl does: the norm is global, so every rank skips it, and no NaN reaches the weights."""
-    at, stats = {i: k for k, i in enumerate(mb.idx)}, []
-    for micro in micro_batches(rows, mb.idx, args.micro_tokens):
-        idle = micro is None  # this rank has fewer micro-batches than another: one sample, at weight 0
-        micro = mb.idx[:1] if idle else micro
-        k = [at[i] for i in micro]
-        keep = torch.zeros_like(mb.keep[k]) if idle else mb.keep[k]
-        logp = response_logprobs(policy, rows, micro, valid, args.temperature).logp
-        loss, st = stapo_loss(logp, mb.old_logp[k], mb.adv[k], keep, mb.denom, *clip_settings(args))
+    stats = []
+    for part in micro_batches(rows, mb.idx, args.micro_tokens):  # slices of mb.idx: no index to copy
+        idle = part is None  # this rank has fewer micro-batches than another: one sample, at weight 0
+        part = slice(1) if idle else part
+        keep = torch.zeros_like(mb.keep[part]) if idle else mb.keep[part]
+        logp = response_logprobs(policy, rows, mb.idx[part], valid, args.temperature).logp
+        loss, st = stapo_loss(logp, mb.old_logp[part], mb.adv[part], keep, mb.denom, *clip_settings(args))
         (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is global
         stats.append(st)
     record.loss_stats(stats)  # read once, after the loop: no wait on the device inside it

@@ -141,6 +141,16 @@ def balanced_micro_batches(rows, idx, budget, overhead=None):
     return out[::-1]
 
 
+def balanced_slices(rows, idx, budget):
+    """balanced_micro_batches in policy.micro_batches' form: slices of idx (sorted by length, so each
+    micro-batch is a run of it)."""
+    out, start = [], 0
+    for group in balanced_micro_batches(rows, idx, budget):
+        out.append(slice(start, start + len(group)))
+        start += len(group)
+    return out
+
+
 # ---- FLOPs and memory ------------------------------------------------------------------------------
 
 def forward_flops(cfg, rows):
@@ -251,7 +261,7 @@ def main(argv=None):
                       "samples": a.samples, "micro_tokens": a.micro_tokens}), flush=True)
     results, project = {}, P.micro_batches
     for dist_name, rows, idx in batches:
-        project_groups = [g for g in project(rows, idx, a.micro_tokens) if g]
+        project_groups = [idx[part] for part in project(rows, idx, a.micro_tokens) if part]
         print_padding(rows, idx, a, dist_name, project=project_groups)
         for grouping in a.grouping.split(","):
             groups = project_groups
@@ -260,8 +270,7 @@ def main(argv=None):
                 if groups == project_groups and "project" in a.grouping:
                     continue  # the same micro-batches: the same run
             # this process only: the grouping the passes run (the project's, or the prototype patched in)
-            P.micro_batches = S.micro_batches = project if grouping == "project" else (
-                lambda rows_, idx_, budget: balanced_micro_batches(rows_, idx_, budget))
+            P.micro_batches = S.micro_batches = project if grouping == "project" else balanced_slices
             config = run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name, grouping)
             results[(dist_name, grouping)] = config
             print_table(config, a, name, peak, dist_name, grouping)

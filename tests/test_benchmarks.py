@@ -55,7 +55,7 @@ def test_the_padding_only_rule_is_policy_micro_batches(monkeypatch, capsys):
     args = type("A", (), {"micro_tokens": 16384})
     tp.print_padding(rows, idx, args, "lognormal", project=None)
     printed = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    want = tp.padding(rows, policy.micro_batches(rows, idx, 16384))
+    want = tp.padding(rows, [idx[part] for part in policy.micro_batches(rows, idx, 16384)])
     assert (printed[0]["padded_frac"], printed[0]["tokens_computed"]) == (round(want[0], 4), want[1])
     assert [x["grouping"] for x in printed] == ["policy.micro_batches", "balanced_micro_batches"]
 

@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoint
 import eval as ev
@@ -20,6 +21,7 @@ import parallel
 import metrics
 import stapo
 import analysis
+import policy as policies
 from rollout import HFEngine, Sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -435,6 +437,92 @@ def one_step_on_four_prompts(tiny, tmp_path, *flags):
     return args, policy, opt, device, data, prompts, ids
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_the_policys_forward_is_the_models_log_softmax(tiny, attention):
+    """policy.response_logprobs of right-padded samples of unequal lengths equals log_softmax of the model's
+    own logits (transformers' forward, one sample at a time, unpadded) at each response token, zero after it:
+    with sdpa the masks are handed over as None (the kernel masks causally), with eager attention transformers
+    builds them. Breaks if a pad or a later token reaches a real one (a mask dropped where the kernel does not
+    mask causally) or if a gather's index is off by one."""
+    from transformers import AutoModelForCausalLM
+    d, tok = tiny
+    lm = AutoModelForCausalLM.from_pretrained(str(d / "model"), attn_implementation=attention)
+    policy = policies.Policy(lm)
+    g = torch.Generator().manual_seed(0)
+    rows = [(torch.randint(100, (p,), generator=g).tolist(), torch.randint(100, (r,), generator=g).tolist())
+            for p, r in ((3, 4), (5, 1), (2, 7), (4, 0))]
+    valid = torch.arange(9) < torch.tensor([len(r) for _, r in rows])[:, None]
+    with torch.no_grad():
+        got = policies.response_logprobs(policy, rows, [1, 3, 0, 2], valid, 1.0)
+        for k, i in enumerate([1, 3, 0, 2]):
+            prompt, response = rows[i]
+            logits = lm(input_ids=torch.tensor([prompt + response])).logits[0].log_softmax(-1)
+            want = logits[len(prompt) - 1:-1].gather(-1, torch.tensor(response, dtype=torch.long)[:, None])[:, 0]
+            assert torch.allclose(got.logp[k, :len(response)], want, atol=1e-5), (attention, i)
+            assert not got.logp[k, len(response):].any() and not got.entropy[k, len(response):].any()
+    assert (policy.masks is None) == (attention == "eager")
+
+
+class HostReads(TorchDispatchMode):
+    """The aten calls that make a GPU wait for the host, while `on`: a read of a tensor (.item(), float(),
+    bool(): _local_scalar_dense, is_nonzero) and the calls whose output size is data (nonzero, masked_select,
+    an index or index_put by a boolean mask)."""
+    READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "_unique2", "unique_consecutive"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.on = [], True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        masks = name in ("index", "index_put", "index_put_") and any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in args[1])
+        if self.on and (name in self.READS or masks):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+    def off_after(self, fn):
+        def stop(*a, **k):
+            self.on = False
+            return fn(*a, **k)
+        return stop
+
+    def off_during(self, fn):
+        def quiet(*a, **k):
+            self.on = False
+            try:
+                return fn(*a, **k)
+            finally:
+                self.on = True
+        return quiet
+
+
+def test_the_micro_batch_loops_never_wait_on_the_device(tiny, tmp_path, monkeypatch):
+    """Inside the micro-batch loops of token_stats and update (the decoder, the head, the loss, the backward),
+    no aten call needs a value on the host, so on a GPU the host queues the next micro-batch while the device
+    runs this one. Only what runs once per mini-batch may read: the micro-batch count's all-reduce, and after
+    the loop the statistics, the norms and the step. Breaks with the boolean-mask gathers of the former
+    Policy.forward, its masked_scatter, or the head's backward indexing rows by a mask."""
+    args, policy, opt, device, data, prompts, ids = one_step_on_four_prompts(tiny, tmp_path, "--micro-tokens", "80")
+    rows = [(p, ids(f"\\boxed{{{a}}}" + " 1" * j)) for _, p, a in prompts for j in range(2)]
+    idx = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
+    lengths = torch.tensor([len(r) for _, r in rows])
+    valid = torch.arange(int(lengths.max())) < lengths[:, None]
+    reads = HostReads()
+    for module in (stapo, policies):
+        monkeypatch.setattr(module, "micro_batches", reads.off_during(policies.micro_batches))
+    record = metrics.StepMetrics(0)
+    record.loss_stats = reads.off_after(record.loss_stats)  # after the loop: the statistics, norms, step
+    assert len([m for m in policies.micro_batches(rows, idx, 80) if m]) >= 3  # several micro-batches
+    keep = valid[idx].float()
+    denom = float(keep.sum())  # stapo.py's: a number all-reduced before the loop
+    with reads:
+        old = stapo.token_stats(policy, rows, idx, valid, args.micro_tokens, args.temperature)
+        mb = stapo.MiniBatch(idx, old.logp, torch.linspace(-1, 1, len(idx)), keep, denom)
+        norm, _ = stapo.update(policy, opt, rows, valid, mb, args, record)
+    assert reads.seen == [] and norm > 0
+
+
 def test_degenerate_batches_give_finite_steps(tiny, tmp_path):
     tok = tiny[1]
     args, policy, opt, device, data, prompts, ids = one_step_on_four_prompts(tiny, tmp_path, "--method", "stapo")
@@ -740,9 +828,8 @@ def test_rollout_is_weights_the_loss_and_is_exact_when_the_sampler_agrees(tiny, 
     results = {}
     for mode, sampler in [("none", "trainer"), ("token", "trainer"), ("token", "zero")]:
         policy = stapo.build_policy(args.model, mesh, device)
-        trainer_logp = stapo.token_stats(policy, rows, sorted(range(16), key=lambda i: len(rows[i][1])), valid,
-                                         args.micro_tokens, args.temperature)
-        order = sorted(range(16), key=lambda i: len(rows[i][1]))
+        order = sorted(range(16), key=lambda i: len(rows[i][0]) + len(rows[i][1]))  # as split_minibatches
+        trainer_logp = stapo.token_stats(policy, rows, order, valid, args.micro_tokens, args.temperature)
         logp = torch.zeros(valid.shape)
         logp[order] = trainer_logp.logp
         groups = [[Sample(rows[i * 4 + j][1], "stop", logp[i * 4 + j][valid[i * 4 + j]].tolist()
