@@ -34,9 +34,12 @@ that is padding, for policy.micro_batches (the project's grouping) at --micro-to
 balanced_micro_batches below (a prototype, this script's own), printed for every batch. --grouping balanced
 runs the passes in the prototype's micro-batches (patched into policy and stapo, this process only; the
 full_logits reference runs in the project's alone).
+Host syncs (CUDA only, null on CPU): the calls of the last timed run that made the host wait for the device,
+counted by torch.cuda.set_sync_debug_mode("warn"): a fixed few per update (the statistics, the norms) and none
+per micro-batch is the aim (tests/test_trainer.py counts the micro-batch loops' on CPU).
 Every phase prints one JSON line; a table and the ratios (of this one run) close the output.
 """
-import argparse, dataclasses, json, math, os, shutil, statistics, sys, tempfile, time, types
+import argparse, dataclasses, json, math, os, shutil, statistics, sys, tempfile, time, types, warnings
 
 import torch
 
@@ -183,6 +186,20 @@ def peak_gib(cuda):
 
 # ---- the trainer's calls: each in one place, so a rename is a one-line change ----------------------
 
+def counting_syncs(fn, cuda):
+    """(fn(), how many of its CUDA calls waited for the device: torch's sync debug mode), None on CPU."""
+    if not cuda:
+        return fn(), None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, sum("synchronizing CUDA operation" in str(w.message) for w in seen)
+
+
 def old_pass(P, policy, rows, idx, valid, micro_tokens, temperature):
     """Step 4: the old policy's log p (and H) of the mini-batch, no grad. Returns [n, R] log p."""
     return P.token_stats(policy, rows, idx, valid, micro_tokens, temperature).logp
@@ -315,12 +332,12 @@ def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name,
         if phase == "full_logits" and grouping != "project":
             continue  # the reference runs once per batch, in the project's micro-batches
         fn, flops = phases[phase]
-        times, peaks = [], []
+        times, peaks, syncs = [], [], None
         for r in range(a.reps + 1):
             reset_peak(cuda)
             t = time.perf_counter()
             try:
-                record = fn()
+                record, counted = counting_syncs(fn, cuda) if r else (fn(), None)
             except torch.OutOfMemoryError as e:
                 print(json.dumps({"phase": phase, "error": "OOM", "detail": str(e)[:200]}), flush=True)
                 torch.cuda.empty_cache()
@@ -332,6 +349,7 @@ def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name,
             peaks.append(max([peak_gib(cuda)] + inner))
             if r:  # the first is the warm-up (compiles, allocator growth)
                 times.append(seconds)
+                syncs = counted
         if not times:
             continue
         s = statistics.median(times)
@@ -340,7 +358,7 @@ def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name,
                "times": [round(x, 4) for x in times], "tokens_per_s": round(tokens / s),
                "tflops": round(tflops, 2), "mfu": round(tflops / peak, 4) if peak else None,
                "peak_gib": round(max(peaks), 3), "padded_frac": round(pad, 4), "micro_batches": len(groups),
-               "tokens": tokens, "tokens_computed": computed}
+               "tokens": tokens, "tokens_computed": computed, "host_syncs": syncs}
         results[phase] = out
         print(json.dumps(out), flush=True)
     return results

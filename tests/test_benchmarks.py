@@ -108,9 +108,10 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     assert set(phases) == want, sorted(phases)
     for x in phases.values():
         for field in ("seconds", "times", "tokens_per_s", "tflops", "mfu", "peak_gib", "padded_frac",
-                      "micro_batches", "tokens", "tokens_computed"):
+                      "micro_batches", "tokens", "tokens_computed", "host_syncs"):
             assert field in x, (field, x)
         assert x["seconds"] > 0 and x["peak_gib"] > 0 and x["mfu"] is None and 0 <= x["padded_frac"] < 1
+        assert x["host_syncs"] is None  # CUDA's sync debug mode: not on CPU
     assert phases[("equal", "project", "update")]["padded_frac"] == 0
     assert phases[("file", "project", "update")]["padded_frac"] > phases[("file", "balanced", "update")][
         "padded_frac"]
