@@ -9,26 +9,40 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference import toy_model  # noqa: E402  the one warm start of the tests
 
 
+def warm_start(tmp_path_factory, name, **kw):
+    """toy_model(d, **kw) built once per test session, however many pytest-xdist workers share it (each
+    worker has a session of its own: without the lock each built its own copy, seconds of CPU apiece, on the
+    cores the other worker's tests run on); d and the tokenizer, loaded from d/model as toy_model loads it."""
+    from filelock import FileLock
+    from transformers import AutoTokenizer
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' common folder (pytest-xdist's basetemp/popen-gwN)
+    d = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        if not (d / "train.jsonl").exists():  # toy_model writes it last
+            d.mkdir(exist_ok=True)
+            toy_model(d, **kw)
+    return d, AutoTokenizer.from_pretrained(d / "model")
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """The toy's tiny Qwen3 + tokenizer, warm-started so that some answers are right (rewards vary),
     and the toy's training problems."""
-    d = tmp_path_factory.mktemp("tiny")
-    return d, toy_model(d)
+    return warm_start(tmp_path_factory, "tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_vllm(tmp_path_factory):
     """The toy's model at hidden 128 (head_dim 32, a size vLLM's CPU attention accepts)."""
-    d = tmp_path_factory.mktemp("tiny_vllm")
-    return d, toy_model(d, hidden=128)
+    return warm_start(tmp_path_factory, "tiny_vllm", hidden=128)
 
 
 @pytest.fixture(scope="session")
 def tiny_vllm_tied(tmp_path_factory):
     """Its input embedding is its LM head, as in Qwen3-0.6B, 1.7B and 4B."""
-    d = tmp_path_factory.mktemp("tiny_vllm_tied")
-    return d, toy_model(d, hidden=128, tied=True)
+    return warm_start(tmp_path_factory, "tiny_vllm_tied", hidden=128, tied=True)
 
 
 def pytest_collection_modifyitems(items):

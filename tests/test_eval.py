@@ -2,6 +2,7 @@
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -75,7 +76,7 @@ def test_verl_layout_of_justrl_files(fmt, tmp_path):
 @pytest.mark.slow  # subprocesses: the CLIs, or a whole training run
 def test_justrl_olympiadbench_variant_from_the_command_line(tiny, tmp_path):
     """JustRL's 674-row OlympiadBench (relay problems given a concrete T, id 1965 dropped, golds in $...$)
-    loads through --source; a malformed --source is refused by name."""
+    loads through --source (a malformed --source is refused by name: test_bad_arguments)."""
     variant = os.path.join(BENCH, "variants", "justrl", "olympiadbench.jsonl")
     rows = evaluation.load_benchmark("olympiadbench", source=variant)
     assert len(rows) == 674 and not any(r["answer"].startswith("$") for r in rows)
@@ -89,9 +90,6 @@ def test_justrl_olympiadbench_variant_from_the_command_line(tiny, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     sample = json.loads(open(tmp_path / "o" / "samples.jsonl").readline())
     assert sample["problem"] == rows[0]["problem"] and sample["gold"] == rows[0]["answer"]
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", "x", "--source", "gsm8k=a.jsonl"],
-                       capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 2 and "--source: expected NAME=FILE" in r.stderr
 
 
 def test_olympiad_multi_answer_golds_join():
@@ -123,15 +121,20 @@ def six_benchmarks(d, bad=None):
 
 
 @pytest.mark.slow  # subprocesses: the CLIs, or a whole training run
-def test_end_to_end_on_the_toy_model_and_compare(tiny, tmp_path):
+def test_end_to_end_on_the_toy_model_and_compare(tiny, tmp_path, capsys):
+    """Run a on the CPU; run b with --judge (the toy model as a useless judge) on tests/fake_cuda's driver in
+    its default compute mode (the HF engine on the CPU): --judge is one command there, its sampler's context
+    beside its judge's on the one GPU (test_the_judge_on_gpus_that_allow_one_cuda_context has the exclusive
+    mode). The tables, the samples, the verdicts, and --compare of the two."""
     model = str(tiny[0] / "model")
     data = six_benchmarks(tmp_path / "data")
     cmd = [sys.executable, os.path.join(ROOT, "eval.py"), "--model", model, "--data-dir", str(data),
            "--limit", "2", "--samples", "2", "--max-tokens", "32"]
-    judge = ["--judge", model, "--judge-max-tokens", "2"]  # run b: the toy model as a (useless) judge
-    for out in ("a", "b"):
-        r = subprocess.run(cmd + ["--out", str(tmp_path / out), "--seed", str(ord(out))] + judge * (out == "b"),
-                           capture_output=True, text=True, cwd=ROOT, timeout=600)
+    judge = ["--judge", model, "--judge-max-tokens", "2", "--engine", "hf", "--dtype", "fp32"]
+    contexts, on_a_gpu = fake_cuda(tmp_path, "default", "Default")
+    for out, extra, env in (("a", [], None), ("b", judge, on_a_gpu)):
+        r = subprocess.run(cmd + ["--out", str(tmp_path / out), "--seed", str(ord(out))] + extra,
+                           capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
         assert r.returncode == 0, r.stderr[-2000:]
     summary = (tmp_path / "a" / "summary.md").read_text()
     for name in evaluation.BENCHMARKS:
@@ -147,9 +150,10 @@ def test_end_to_end_on_the_toy_model_and_compare(tiny, tmp_path):
     for name in evaluation.BENCHMARKS:
         rs = [s for s in samples if s["benchmark"] == name]
         assert res["table"][name]["avg@k"] == pytest.approx(100 * sum(s["correct"] for s in rs) / len(rs))
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--compare", str(tmp_path / "a"),
-                        str(tmp_path / "b")], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0 and r.stdout.count("\n") == 2 + 7
+    capsys.readouterr()
+    ev.main(["--compare", str(tmp_path / "a"), str(tmp_path / "b")])  # eval.py --compare A B, in this process
+    compared = capsys.readouterr().out
+    assert compared.count("\n") == 2 + 7
     rb = json.load(open(tmp_path / "b" / "results.json"))["table"]
     judged = [json.loads(x) for x in open(tmp_path / "b" / "samples.jsonl")]
     assert all(s["judged"] == (s["correct"] or s["judge"] == "A") for s in judged)
@@ -159,9 +163,11 @@ def test_end_to_end_on_the_toy_model_and_compare(tiny, tmp_path):
     res_b = json.load(open(tmp_path / "b" / "results.json"))
     assert res_b["judge_s_per_judged_sample"] > 0 and res_b["judge"] == model
     assert res_b["judge_pids"] and not set(res_b["judge_pids"]) & set(res_b["sampler_pids"])  # a process of its own
+    pids = res_b["sampler_pids"] + res_b["judge_pids"]
+    assert sorted(map(int, (contexts / "1").read_text().split())) == sorted(pids)  # two contexts, one GPU
     diff = rb["math500"]["avg@k"] - res["table"]["math500"]["avg@k"]
     assert f"| math500 | {res['table']['math500']['avg@k']:.2f} | {rb['math500']['avg@k']:.2f} | {diff:+.2f} |" \
-        in r.stdout
+        in compared
 
 
 def test_a_failed_or_killed_judge_loses_nothing_and_a_rerun_judges_only_what_is_missing(tiny, tmp_path):
@@ -211,16 +217,22 @@ def test_malformed_benchmark_file_names_file_and_line(tmp_path):
 
 
 @pytest.mark.slow  # subprocesses: the CLIs, or a whole training run
-def test_bad_arguments(tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", "x", "--benchmarks", "gsm8k"],
-                       capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 2 and "unknown ['gsm8k']" in r.stderr
+def test_bad_arguments(tmp_path, capsys):
+    """Each bad argument is refused by the parser, before any work: one line on stderr naming it, exit code 2.
+    A real process for one of them (the exit code and the one line are the program's, not only main()'s);
+    the others through eval.main in this process, where the same parser refuses them the same way."""
     # a missing judge template: refused before any sampling (it was read in the judges, a traceback at the end)
     r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", str(tmp_path), "--judge",
                         str(tmp_path), "--judge-prompt", str(tmp_path / "judge.txt")], capture_output=True, text=True,
                        cwd=ROOT)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and f"--judge-prompt {tmp_path / 'judge.txt'}: no such" in lines[0]
+    for argv, says in ((["--model", "x", "--benchmarks", "gsm8k"], "unknown ['gsm8k']"),
+                       (["--model", "x", "--source", "gsm8k=a.jsonl"], "--source: expected NAME=FILE")):
+        with pytest.raises(SystemExit) as stop:
+            ev.main(argv)
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert stop.value.code == 2 and len(lines) == 1 and says in lines[0], (argv, lines)
 
 
 @pytest.mark.slow  # subprocesses: the CLIs, or a whole training run
@@ -325,27 +337,36 @@ def test_seeds_of_two_runs_share_no_sample():
 @pytest.mark.slow  # subprocesses: the CLIs, or a whole training run
 def test_the_clis_exit_cleanly_again_and_again_on_a_loaded_machine(tiny, tmp_path):
     """A process group or reward workers left alive at exit made eval.py abort now and then under load
-    ('terminate called without an active exception', SIGABRT). Two CPU burners load both cores."""
+    ('terminate called without an active exception', SIGABRT). Two CPU burners load both cores, and the three
+    runs (eval.py twice, stapo.py once) go at once, each loading the cores for the others: five busy processes
+    on two cores. The abort is rare even with its cause in place (a process group left alive made none here),
+    so each run's last exit hook (tests/exit_spy) also says whether a cause is there: the process group
+    destroyed and no child process (eval.py's reward workers) still running, on every exit."""
     d, _ = tiny
     data = six_benchmarks(tmp_path / "data")
+    evaluate = [sys.executable, os.path.join(ROOT, "eval.py"), "--model", str(d / "model"), "--data-dir", str(data),
+                "--benchmarks", "math500,minerva", "--limit", "2", "--samples", "2", "--max-tokens", "8", "--out"]
+    train = [sys.executable, os.path.join(ROOT, "stapo.py"), "--model", str(d / "model"), "--dataset",
+             str(d / "train.jsonl"), "--out", str(tmp_path / "t"), "--prompts-per-step", "2", "--group-size", "2",
+             "--minibatches", "1", "--max-response-len", "4", "--steps", "1", "--save-every", "0",
+             "--max-prompt-len", "64"]
+    spied = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "exit_spy"), ROOT,
+                                                          *filter(None, [os.environ.get("PYTHONPATH")])])}
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    runs = []
     try:
-        for i in range(2):
-            r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", str(d / "model"),
-                                "--data-dir", str(data), "--benchmarks", "math500,minerva", "--limit", "2",
-                                "--samples", "2", "--max-tokens", "8", "--out", str(tmp_path / f"e{i}")],
-                               capture_output=True, text=True, cwd=ROOT, timeout=600)
-            assert r.returncode == 0 and "terminate called" not in r.stderr, (i, r.returncode, r.stderr[-2000:])
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "stapo.py"), "--model", str(d / "model"), "--dataset",
-                            str(d / "train.jsonl"), "--out", str(tmp_path / "t"), "--prompts-per-step", "2",
-                            "--group-size", "2", "--minibatches", "1", "--max-response-len", "4", "--steps", "1",
-                            "--save-every", "0", "--max-prompt-len", "64"], capture_output=True, text=True,
-                           cwd=ROOT, timeout=600)
-        assert r.returncode == 0 and "terminate called" not in r.stderr, r.stderr[-2000:]
+        for i, cmd in enumerate([evaluate + [str(tmp_path / "e0")], evaluate + [str(tmp_path / "e1")], train]):
+            with open(tmp_path / f"{i}.out", "w") as out, open(tmp_path / f"{i}.err", "w") as err:
+                runs.append(subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env=spied))
+        for i, p in enumerate(runs):
+            code, err = p.wait(timeout=600), (tmp_path / f"{i}.err").read_text()
+            assert code == 0 and "terminate called" not in err, (i, code, err[-2000:])
+            said = re.findall(r"exit spy: (process group alive: \w+; child processes alive: \d+)", err)
+            assert said and set(said) == {"process group alive: False; child processes alive: 0"}, (i, said)
     finally:
-        for b in burners:
-            b.kill()
-            b.wait()
+        for p in burners + runs:
+            p.kill()
+            p.wait()
 
 
 def test_a_rank_with_no_problems_returns_no_records(tiny, tmp_path):
@@ -421,8 +442,9 @@ def test_the_judge_on_gpus_that_allow_one_cuda_context(tiny, tmp_path):
     """EXCLUSIVE_PROCESS compute mode, on a fake driver that enforces its one context per GPU (tests/fake_cuda),
     with the HF engine on the CPU. eval.py --judge refuses before it generates, naming the mode and both ways
     out; eval.py without --judge, then --judge-only, judges every rejected sample, from a parent that never made
-    a CUDA context. In the default mode --judge is one command, its sampler's context beside its judge's. Broke
-    before: the eval rank kept its context (set_device), and every judge's process failed as busy."""
+    a CUDA context. (The default mode, where --judge is one command, its sampler's context beside its judge's:
+    test_end_to_end_on_the_toy_model_and_compare's run b.) Broke before: the eval rank kept its context
+    (set_device), and every judge's process failed as busy."""
     model, data = str(tiny[0] / "model"), tmp_path / "data"
     data.mkdir()
     (data / "math500.jsonl").write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i} + 1?",
@@ -446,13 +468,6 @@ def test_the_judge_on_gpus_that_allow_one_cuda_context(tiny, tmp_path):
     results = json.load(open(tmp_path / "a" / "results.json"))
     assert (contexts / "1").read_text().split() == [str(pid) for pid in results["judge_pids"]]  # the judge's alone
     assert all("judged" in s for s in map(json.loads, open(tmp_path / "a" / "samples.jsonl")))  # merged
-
-    contexts, env = fake_cuda(tmp_path, "default", "Default")
-    r = run(evaluate + judge + ["--out", str(tmp_path / "b")], env)
-    assert r.returncode == 0, r.stderr[-2000:]
-    results = json.load(open(tmp_path / "b" / "results.json"))
-    pids = results["sampler_pids"] + results["judge_pids"]
-    assert sorted(map(int, (contexts / "1").read_text().split())) == sorted(pids)  # two contexts, one GPU
 
 
 # ---- --judge's check of this rank's GPU, on a fake nvidia-smi (tests/fake_nvidia_smi) ----------------------

@@ -10,14 +10,19 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import toy  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves these out
-RL_STEPS, RISE = 100, 0.1  # the shortened run, and the least rise it must show (docs/toy.md: the test)
+# The shortened run, and the least rise it must show (docs/toy.md: the test). At 60 steps, seed 0, one thread,
+# measured under the three kernel settings (native AVX-512, ATEN_CPU_CAPABILITY=avx2, =default): training's
+# rise 0.171, 0.211, 0.219; held-out 0.41 -> 0.78, 0.40 -> 0.84, 0.41 -> 0.80 (at 50 steps the training rise
+# was 0.150 to 0.181, too near the 0.1 asked).
+RL_STEPS, RISE = 60, 0.1
 
 
 def test_toy_learns_in_a_shortened_run(tmp_path, capsys):
     """A shortened run of the toy (its warm start, then RL_STEPS of its STEPS): the warm start knows at most
-    half of the 200 held-out sums, RL raises training's sampled accuracy and the held-out greedy accuracy, and
-    the run prints its S2T summary and the path of its curves before the accuracy line. The margins were
-    measured under the three kernel settings of docs/toy.md's table (see RL_STEPS)."""
+    half of the 200 held-out sums, RL raises training's sampled accuracy (its last 20 steps over its first 20)
+    and the held-out greedy accuracy, and the run prints its S2T summary and the path of its curves before the
+    accuracy line. The margins were measured under the three kernel settings of docs/toy.md's table (see
+    RL_STEPS)."""
     before, after = toy.main(["--out", str(tmp_path), "--steps", str(RL_STEPS)])
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == f"toy: accuracy {before:.2f} -> {after:.2f}"
