@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Issue 42's GPU check, one prepared command: about 6 minutes on one H100 or H200 (estimated; its sections are
-# capped at 100, 180 and 110 s, so at most about 6.5 minutes):
+# Issue 42's GPU check, one prepared command: about 8 minutes on one H100 or H200 (estimated; its sections are
+# capped at 100, 170, 150 and 100 s, so at most about 9 minutes):
 #   1. the head: benchmarks/logprobs.py at 16,384 tokens, V 151,936, bf16, hidden 2,048 (naive, the head as
 #      the trainer runs it, and its eager buffered passes) and 4,096 (naive, the head);
 #   2. the trainer's passes: benchmarks/train_passes.py at Qwen3-1.7B's shape, 64 samples, prompt 256, equal
 #      responses of 1,024 and long-tailed ones (log-normal, median 1,024, 200..8,192), the project's
 #      micro-batches and the prototype's;
+#   2b. the levers, each alone against the base on the same model (benchmarks/train_passes.py --levers, equal
+#      lengths): micro-batches 4x larger, checkpointing off, torch.compile of each decoder layer, and the last
+#      two together;
 #   3. examples/gpu_smoke.py --engine hf with the tests' tiny Qwen3 (tests/reference.toy_model, hidden 128).
 # It prints each section's table, then a summary, and writes everything to FOLDER/gpu_check.log (with the
 # smoke test's command logs in FOLDER/smoke_logs.txt).
@@ -34,12 +37,12 @@ if [ -n "${GPU_CHECK_TINY:-}" ]; then  # the CPU rehearsal: every command, at sh
   head_args=(--batch 2 --seq 128 --vocab 3000)
   h1=64 h2=96
   passes=(--shape tiny --samples 16 --prompt 16 --response 32 --micro-tokens 1024 --reps 1)
-  cap_head=150 cap_passes=200 cap_smoke=400
+  cap_head=150 cap_passes=200 cap_levers=300 cap_smoke=400
 else
   head_args=(--batch 8 --seq 2048 --vocab 151936)
   h1=2048 h2=4096
   passes=(--shape 1.7b --samples 64 --prompt 256 --response 1024 --micro-tokens 16384 --reps 1)
-  cap_head=100 cap_passes=180 cap_smoke=110
+  cap_head=100 cap_passes=170 cap_levers=150 cap_smoke=100
 fi
 
 section() { echo; echo "==== $1 ($(date +%T))"; }
@@ -68,7 +71,12 @@ left=$((cap_head - (SECONDS - t0)))
 
 section "2. the trainer's passes: benchmarks/train_passes.py"
 timeout $cap_passes "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths equal,lognormal \
-  --grouping project,balanced | tee "$work/passes.txt"
+  --grouping project,balanced --model-dir "$work/model" | tee "$work/passes.txt"
+
+section "2b. the levers: benchmarks/train_passes.py --levers"
+timeout $cap_levers "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths equal --phases old_pass,update \
+  --levers micro_tokens_x4,no_checkpointing,compile_layers,compile_layers+no_checkpointing \
+  --model-dir "$work/model" | tee "$work/levers.txt"
 
 section "3. examples/gpu_smoke.py --engine hf"
 timeout $cap_smoke "$PY" - "$work/toy" <<'EOF'
@@ -91,7 +99,7 @@ done >"$out/smoke_logs.txt"
 section "summary"
 grep -h "tokens, vocab\|/naive:" "$work"/head*.txt
 grep -h "^| \(phase\|old_pass\|update\|full_logits\) \|^update / \|grouping .* --micro-tokens" \
-  "$work/passes.txt"
+  "$work/passes.txt" "$work/levers.txt"
 grep -h '"phase": "padding"' "$work/passes.txt" | cut -c1-200
 grep -h "^smoke:\|^PASS\|^FAIL" "$work/smoke.txt"
 echo "log: $log"

@@ -37,6 +37,13 @@ full_logits reference runs in the project's alone).
 Host syncs (CUDA only, null on CPU): the calls of the last timed run that made the host wait for the device,
 counted by torch.cuda.set_sync_debug_mode("warn"): a fixed few per update (the statistics, the norms) and none
 per micro-batch is the aim (tests/test_trainer.py counts the micro-batch loops' on CPU).
+Levers (--levers, a comma list; a+b applies both): after the base runs, each is turned on alone (this
+process only), the phases other than full_logits run again on the first --lengths in the project's grouping,
+and it is turned off again, so each lever is measured against the base on the same model and batch:
+  micro_tokens_x4   4 x --micro-tokens (fewer, larger micro-batches)
+  no_checkpointing  activation checkpointing off (the backward keeps every layer's activations)
+  compile_layers    torch.compile of each decoder layer (dynamic shapes; FSDP2's hooks stay eager), which
+                    fuses the norms, RoPE, SwiGLU and the residual adds; its compile is in the warm-up run
 Every phase prints one JSON line; a table and the ratios (of this one run) close the output.
 """
 import argparse, dataclasses, json, math, os, shutil, statistics, sys, tempfile, time, types, warnings
@@ -154,6 +161,29 @@ def balanced_slices(rows, idx, budget):
     return out
 
 
+# ---- levers: one speed choice each, on or off in this process --------------------------------------
+
+LEVERS = ("micro_tokens_x4", "no_checkpointing", "compile_layers")
+
+
+def set_lever(policy, lever, on):
+    """Turn one of LEVERS on or off (micro_tokens_x4 is run_passes' --micro-tokens, nothing to set here)."""
+    lm = policy.lm
+    if lever == "no_checkpointing":
+        if on:
+            lm.gradient_checkpointing_disable()
+        else:  # as policy.build_policy enables it
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif lever == "compile_layers":
+        for layer in lm.get_decoder().layers:
+            if on:
+                layer.compile(dynamic=True)
+            else:
+                layer._compiled_call_impl = None  # what nn.Module.compile sets; None: eager again
+    elif lever != "micro_tokens_x4":
+        raise SystemExit(f"train_passes.py: --levers: unknown lever {lever!r} (known: {', '.join(LEVERS)})")
+
+
 # ---- FLOPs and memory ------------------------------------------------------------------------------
 
 def forward_flops(cfg, rows):
@@ -239,7 +269,12 @@ def main(argv=None):
     p.add_argument("--peak-tflops", type=float, help="the device's peak (default: by its name; none on CPU)")
     p.add_argument("--model-dir", help="a folder saved by an earlier run (default: a new temporary one)")
     p.add_argument("--padding-only", action="store_true", help="print the padded fractions, run nothing")
+    p.add_argument("--levers", default="", help="comma list of levers, each measured alone against the base "
+                   f"(a+b: both): {', '.join(LEVERS)}")
     a = p.parse_args(argv)
+    for lever in filter(None, a.levers.replace("+", ",").split(",")):
+        if lever not in LEVERS:
+            p.error(f"--levers: unknown lever {lever!r} (known: {', '.join(LEVERS)})")
     vocab = SHAPES[a.shape]["vocab_size"]
     batches = []
     for kind in a.lengths.split(","):
@@ -292,11 +327,29 @@ def main(argv=None):
             results[(dist_name, grouping)] = config
             print_table(config, a, name, peak, dist_name, grouping)
         P.micro_batches = S.micro_batches = project
+    dist_name, rows, idx = batches[0]
+    for combo in filter(None, a.levers.split(",")):
+        levers = combo.split("+")
+        phases = ",".join(x for x in a.phases.split(",") if x != "full_logits")
+        b = argparse.Namespace(**{**vars(a), "phases": phases,
+                                  "micro_tokens": a.micro_tokens * (4 if "micro_tokens_x4" in levers else 1)})
+        groups = [idx[part] for part in project(rows, idx, b.micro_tokens) if part]
+        for lever in levers:
+            set_lever(policy, lever, True)
+        try:
+            config = run_passes(P, S, policy, opt, rows, idx, groups, b, device, peak, dist_name, "project",
+                                lever=combo)
+        finally:
+            for lever in levers:
+                set_lever(policy, lever, False)
+        results[(dist_name, combo)] = config
+        print_table(config, b, name, peak, dist_name, f"project, lever {combo}")
     return results
 
 
-def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name, grouping):
-    """Each phase of --phases on one batch: one JSON line each; returns them by phase."""
+def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name, grouping, lever=None):
+    """Each phase of --phases on one batch (with `lever` on, if given): one JSON line each; returns them by
+    phase."""
     import head
     from metrics import StepMetrics
     from stapo_core import group_advantages
@@ -354,7 +407,8 @@ def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name,
             continue
         s = statistics.median(times)
         tflops = flops / s / 1e12
-        out = {"phase": phase, "lengths": dist_name, "grouping": grouping, "seconds": round(s, 4),
+        out = {"phase": phase, "lengths": dist_name, "grouping": grouping, "lever": lever,
+               "seconds": round(s, 4),
                "times": [round(x, 4) for x in times], "tokens_per_s": round(tokens / s),
                "tflops": round(tflops, 2), "mfu": round(tflops / peak, 4) if peak else None,
                "peak_gib": round(max(peaks), 3), "padded_frac": round(pad, 4), "micro_batches": len(groups),
