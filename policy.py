@@ -55,18 +55,19 @@ def refuse_unusual_head(lm, path):
                          "so it is refused")
 
 
-def build_policy(path, mesh, device, dtype=torch.float32):
+def build_policy(path, mesh, device, dtype=torch.float32, compiled=False, checkpointing=True):
     """fp32 master weights sharded by FSDP2 per decoder layer, then the root; `dtype` is the compute
     dtype (--dtype bf16: bf16 forward and backward, gradients reduced in fp32). Every rank builds
     the model on the meta device; only rank 0 reads the checkpoint into host memory, and the shards
-    are filled by broadcast from it (8 ranks do not hold 8 full copies)."""
+    are filled by broadcast from it (8 ranks do not hold 8 full copies). compiled: compile_layers;
+    checkpointing: each layer's activations recomputed in the backward (set_checkpointing)."""
     config = AutoConfig.from_pretrained(path)
     export_dtype = getattr(config, "dtype", None) or torch.float32  # save_hf exports this dtype
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     refuse_unusual_head(lm, path)
     lm.export_dtype = export_dtype
-    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    set_checkpointing(lm, checkpointing)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     policy = Policy(lm)
     for layer in lm.get_decoder().layers:
@@ -82,7 +83,30 @@ def build_policy(path, mesh, device, dtype=torch.float32):
         if full is not None:
             buffer.copy_(full.get_buffer(name))
         dist.broadcast(buffer, src=0)
+    compile_layers(lm, compiled)  # after fully_shard: FSDP2's hooks stay outside the compiled graphs
     return policy.train()
+
+
+def set_checkpointing(lm, on):
+    """Activation checkpointing of each decoder layer: its activations are recomputed in the backward (on),
+    or kept from the forward (off: the update about 16% faster, at about twice its peak memory; 1.7B on an
+    H200, docs/performance.md)."""
+    if on:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        lm.gradient_checkpointing_disable()
+
+
+def compile_layers(lm, on, backend="inductor"):
+    """torch.compile of each decoder layer, in place (on), or eager again (off). The compiled layer fuses
+    its norms, RoPE, SwiGLU and residual adds; shapes are dynamic (micro-batches differ in length), FSDP2's
+    hooks run eager (dynamo skips them), and the parameters' names stay as they were (checkpoints, syncs).
+    On an H200 at 1.7B: the update 27% faster, the old-policy pass 36% (docs/performance.md)."""
+    for layer in lm.get_decoder().layers:
+        if on:
+            layer.compile(dynamic=True, backend=backend)
+        else:
+            layer._compiled_call_impl = None  # what nn.Module.compile sets; None: the eager forward
 
 
 def head_grad_norm(policy):

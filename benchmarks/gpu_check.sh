@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Issue 42's GPU check, one prepared command: about 8 minutes on one H100 or H200 (estimated; its sections are
-# capped at 100, 170, 150 and 100 s, so at most about 9 minutes):
+# Issue 42's GPU check, one prepared command: about 7 minutes on one H100 or H200 (417 s on an H200 before
+# section 0 was added; its sections are capped at 90, 100, 170, 120 and 100 s, so at most about 10 minutes):
+#   0. the compiled decoder layers against the eager ones, in fp32 and bf16 (inductor's GPU kernels: the test
+#      tests/test_trainer.py::test_compiled_layers_compute_what_the_eager_layers_do, run on the GPU);
 #   1. the head: benchmarks/logprobs.py at 16,384 tokens, V 151,936, bf16, hidden 2,048 (naive, the head as
 #      the trainer runs it, and its eager buffered passes) and 4,096 (naive, the head);
 #   2. the trainer's passes: benchmarks/train_passes.py at Qwen3-1.7B's shape, 64 samples, prompt 256, equal
 #      responses of 1,024 and long-tailed ones (log-normal, median 1,024, 200..8,192), the project's
 #      micro-batches and the prototype's;
 #   2b. the levers, each alone against the base on the same model (benchmarks/train_passes.py --levers, equal
-#      lengths): micro-batches 4x larger, checkpointing off, torch.compile of each decoder layer, and the last
-#      two together;
+#      lengths): the decoder layers eager (what compiling them saves), checkpointing off, micro-batches 4x larger;
 #   3. examples/gpu_smoke.py --engine hf with the tests' tiny Qwen3 (tests/reference.toy_model, hidden 128).
 # It prints each section's table, then a summary, and writes everything to FOLDER/gpu_check.log (with the
 # smoke test's command logs in FOLDER/smoke_logs.txt).
@@ -37,12 +38,12 @@ if [ -n "${GPU_CHECK_TINY:-}" ]; then  # the CPU rehearsal: every command, at sh
   head_args=(--batch 2 --seq 128 --vocab 3000)
   h1=64 h2=96
   passes=(--shape tiny --samples 16 --prompt 16 --response 32 --micro-tokens 1024 --reps 1)
-  cap_head=150 cap_passes=200 cap_levers=300 cap_smoke=400
+  cap_test=300 cap_head=150 cap_passes=200 cap_levers=300 cap_smoke=400
 else
   head_args=(--batch 8 --seq 2048 --vocab 151936)
   h1=2048 h2=4096
   passes=(--shape 1.7b --samples 64 --prompt 256 --response 1024 --micro-tokens 16384 --reps 1)
-  cap_head=100 cap_passes=170 cap_levers=150 cap_smoke=100
+  cap_test=90 cap_head=100 cap_passes=170 cap_levers=120 cap_smoke=100
 fi
 
 section() { echo; echo "==== $1 ($(date +%T))"; }
@@ -61,6 +62,10 @@ EOF
 echo "git: $(git rev-parse --short HEAD 2>/dev/null)," \
   "$(git status --short 2>/dev/null | wc -l) files changed or new"
 
+section "0. the compiled layers against eager: pytest on this device"
+timeout $cap_test "$PY" -m pytest -q -s -p no:cacheprovider tests/test_trainer.py -k compiled_layers 2>&1 \
+  | grep -v "^DEBUG" | tee "$work/test.txt" | tail -n 5
+
 section "1. the head: benchmarks/logprobs.py"
 t0=$SECONDS
 timeout $cap_head "$PY" benchmarks/logprobs.py "${head_args[@]}" --hidden $h1 --variants naive,chunked,eager \
@@ -75,7 +80,7 @@ timeout $cap_passes "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths eq
 
 section "2b. the levers: benchmarks/train_passes.py --levers"
 timeout $cap_levers "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths equal --phases old_pass,update \
-  --levers micro_tokens_x4,no_checkpointing,compile_layers,compile_layers+no_checkpointing \
+  --levers eager_layers,no_checkpointing,micro_tokens_x4 \
   --model-dir "$work/model" | tee "$work/levers.txt"
 
 section "3. examples/gpu_smoke.py --engine hf"
@@ -97,6 +102,7 @@ for f in "$work"/smoke/*.log; do
 done >"$out/smoke_logs.txt"
 
 section "summary"
+grep -h "compiled layers (\|bf16: gap\| passed\| failed" "$work/test.txt"
 grep -h "tokens, vocab\|/naive:" "$work"/head*.txt
 grep -h "^| \(phase\|old_pass\|update\|full_logits\) \|^update / \|grouping .* --micro-tokens" \
   "$work/passes.txt" "$work/levers.txt"

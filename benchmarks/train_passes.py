@@ -9,9 +9,11 @@ and the padding of the micro-batches, on one device.
 The model is a random Qwen3 of the shape (tiny: 2 layers of 64 for the tests; 0.6b, 1.7b, 4b tied; 8b untied;
 V 151,936 but for tiny's 512), saved to a temporary folder and read back by the project's own
 policy.build_policy (FSDP2 on a world of one: fp32 master weights, the compute dtype bf16 on CUDA and fp32 on
-CPU, activation checkpointing), with AdamW as stapo.py builds it (fused on CUDA, foreach on CPU). The batch is
-one mini-batch of --samples rows of random token ids, advantages from random +-1 rewards in groups of 8.
-Phases, each timed after one warm-up run (the median of --reps):
+CPU, activation checkpointing, each decoder layer compiled on CUDA), with AdamW, all as stapo.py builds them
+(AdamW fused on CUDA, foreach on CPU). The batch is one mini-batch of --samples rows of random token ids,
+advantages from random +-1 rewards in groups of 8.
+Phases, each timed after one warm-up run (the median of --reps; the warm-up's time, compiles included, is
+printed as warmup_s):
   old_pass       policy.token_stats over the mini-batch, no grad (stapo.py's step 4: the old log p and H)
   update         stapo.update: every micro-batch's forward and backward, the loss, the clip, AdamW's step
   full_logits    the same update, the same model, batch and loss, with the policy's head replaced by full
@@ -41,9 +43,10 @@ Levers (--levers, a comma list; a+b applies both): after the base runs, each is 
 process only), the phases other than full_logits run again on the first --lengths in the project's grouping,
 and it is turned off again, so each lever is measured against the base on the same model and batch:
   micro_tokens_x4   4 x --micro-tokens (fewer, larger micro-batches)
-  no_checkpointing  activation checkpointing off (the backward keeps every layer's activations)
-  compile_layers    torch.compile of each decoder layer (dynamic shapes; FSDP2's hooks stay eager), which
-                    fuses the norms, RoPE, SwiGLU and the residual adds; its compile is in the warm-up run
+  no_checkpointing  activation checkpointing off (stapo.py --no-checkpointing: policy.set_checkpointing)
+  compile_layers    each decoder layer compiled (policy.compile_layers; the base's choice on CUDA, as
+                    stapo.py's --compile-layers auto), its compile in the warm-up run
+  eager_layers      each decoder layer eager (the base's choice on CPU)
 Every phase prints one JSON line; a table and the ratios (of this one run) close the output.
 """
 import argparse, dataclasses, json, math, os, shutil, statistics, sys, tempfile, time, types, warnings
@@ -163,25 +166,16 @@ def balanced_slices(rows, idx, budget):
 
 # ---- levers: one speed choice each, on or off in this process --------------------------------------
 
-LEVERS = ("micro_tokens_x4", "no_checkpointing", "compile_layers")
+LEVERS = ("micro_tokens_x4", "no_checkpointing", "compile_layers", "eager_layers")
 
 
-def set_lever(policy, lever, on):
-    """Turn one of LEVERS on or off (micro_tokens_x4 is run_passes' --micro-tokens, nothing to set here)."""
-    lm = policy.lm
+def set_lever(P, policy, lever, on, compiled):
+    """Turn one of LEVERS on, or off again: back to the base, whose layers are compiled if `compiled`
+    (micro_tokens_x4 is run_passes' --micro-tokens, nothing to set here)."""
     if lever == "no_checkpointing":
-        if on:
-            lm.gradient_checkpointing_disable()
-        else:  # as policy.build_policy enables it
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif lever == "compile_layers":
-        for layer in lm.get_decoder().layers:
-            if on:
-                layer.compile(dynamic=True)
-            else:
-                layer._compiled_call_impl = None  # what nn.Module.compile sets; None: eager again
-    elif lever != "micro_tokens_x4":
-        raise SystemExit(f"train_passes.py: --levers: unknown lever {lever!r} (known: {', '.join(LEVERS)})")
+        P.set_checkpointing(policy.lm, not on)
+    elif lever in ("compile_layers", "eager_layers"):
+        P.compile_layers(policy.lm, (lever == "compile_layers") if on else compiled)
 
 
 # ---- FLOPs and memory ------------------------------------------------------------------------------
@@ -298,7 +292,8 @@ def main(argv=None):
     try:
         if not os.path.exists(os.path.join(folder, "config.json")):
             save_random_model(folder, a.shape, device)
-        policy = P.build_policy(folder, mesh, device, dtype)
+        compiled = cuda  # as stapo.py builds it (--compile-layers auto)
+        policy = P.build_policy(folder, mesh, device, dtype, compiled)
     finally:
         if not a.model_dir:
             shutil.rmtree(folder, ignore_errors=True)
@@ -309,7 +304,8 @@ def main(argv=None):
                       "dtype": str(dtype)[6:], "torch": torch.__version__,
                       "seconds": round(time.perf_counter() - t0, 1),
                       "head_chunk_rows_auto": head.chunk_rows(device, vocab),
-                      "head_compiled": head.compiled_here(device), "peak_tflops": peak,
+                      "head_compiled": head.compiled_here(device), "layers_compiled": compiled,
+                      "peak_tflops": peak,
                       "samples": a.samples, "micro_tokens": a.micro_tokens}), flush=True)
     results, project = {}, P.micro_batches
     for dist_name, rows, idx in batches:
@@ -335,13 +331,13 @@ def main(argv=None):
                                   "micro_tokens": a.micro_tokens * (4 if "micro_tokens_x4" in levers else 1)})
         groups = [idx[part] for part in project(rows, idx, b.micro_tokens) if part]
         for lever in levers:
-            set_lever(policy, lever, True)
+            set_lever(P, policy, lever, True, compiled)
         try:
             config = run_passes(P, S, policy, opt, rows, idx, groups, b, device, peak, dist_name, "project",
                                 lever=combo)
         finally:
             for lever in levers:
-                set_lever(policy, lever, False)
+                set_lever(P, policy, lever, False, compiled)
         results[(dist_name, combo)] = config
         print_table(config, b, name, peak, dist_name, f"project, lever {combo}")
     return results
@@ -385,7 +381,7 @@ def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name,
         if phase == "full_logits" and grouping != "project":
             continue  # the reference runs once per batch, in the project's micro-batches
         fn, flops = phases[phase]
-        times, peaks, syncs = [], [], None
+        times, peaks, syncs, warmup = [], [], None, None
         for r in range(a.reps + 1):
             reset_peak(cuda)
             t = time.perf_counter()
@@ -403,13 +399,16 @@ def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name,
             if r:  # the first is the warm-up (compiles, allocator growth)
                 times.append(seconds)
                 syncs = counted
+            else:
+                warmup = seconds
         if not times:
             continue
         s = statistics.median(times)
         tflops = flops / s / 1e12
         out = {"phase": phase, "lengths": dist_name, "grouping": grouping, "lever": lever,
                "seconds": round(s, 4),
-               "times": [round(x, 4) for x in times], "tokens_per_s": round(tokens / s),
+               "times": [round(x, 4) for x in times], "warmup_s": round(warmup, 2),
+               "tokens_per_s": round(tokens / s),
                "tflops": round(tflops, 2), "mfu": round(tflops / peak, 4) if peak else None,
                "peak_gib": round(max(peaks), 3), "padded_frac": round(pad, 4), "micro_batches": len(groups),
                "tokens": tokens, "tokens_computed": computed, "host_syncs": syncs}

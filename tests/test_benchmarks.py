@@ -82,8 +82,9 @@ def test_the_balanced_grouping_keeps_the_budget_and_pads_less_than_the_projects(
 @pytest.mark.slow
 def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     """The benchmark end to end on CPU (the project's build_policy, token_stats and update, and the
-    full-logits update), two length distributions, both groupings: every phase's line has every field, the
-    table and the ratios are printed. About 30 s here."""
+    full-logits update), two length distributions, both groupings, two levers (on the first lengths, the
+    project's grouping): every phase's line has every field, the table and the ratios are printed. About 30 s
+    here."""
     tp = _load()
     lengths = [4, 4, 4, 18, 18, 40, 41, 42]  # sequences of 10, 10, 10, 24, 24, 46, 47, 48
     (tmp_path / "lengths.txt").write_text("\n".join(map(str, lengths)))
@@ -93,22 +94,29 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     script = os.path.join(ROOT, "benchmarks", "train_passes.py")
     r = subprocess.run([sys.executable, script, "--shape", "tiny", "--samples", "8", "--prompt", "6",
                         "--response", "12", "--lengths", f"equal,{tmp_path / 'lengths.txt'}", "--grouping",
-                        "project,balanced", "--micro-tokens", "96", "--reps", "1"],
+                        "project,balanced", "--micro-tokens", "96", "--reps", "1", "--levers",
+                        "micro_tokens_x4,no_checkpointing"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     build = lines[0]
     assert build["phase"] == "build" and build["head_chunk_rows_auto"] == 128
-    assert build["head_compiled"] is False
+    assert build["head_compiled"] is False and build["layers_compiled"] is False  # as stapo.py on CPU
     assert build["device"] == "cpu" and build["peak_tflops"] is None and build["params"] > 0
-    phases = {(x["lengths"], x["grouping"], x["phase"]): x for x in lines[1:] if "seconds" in x}
+    phases = {(x["lengths"], x["grouping"], x["phase"]): x for x in lines[1:] if "seconds" in x
+              and not x["lever"]}
+    levers = {(x["lever"], x["phase"]): x for x in lines[1:] if x.get("lever")}
+    assert set(levers) == {(lever, p) for lever in ("micro_tokens_x4", "no_checkpointing")
+                           for p in ("old_pass", "update")}  # no full_logits: the levers are the policy's
+    assert levers["micro_tokens_x4", "update"]["micro_batches"] < phases["equal", "project", "update"][
+        "micro_batches"] == levers["no_checkpointing", "update"]["micro_batches"]
     want = {("equal", "project", p) for p in ("old_pass", "update", "full_logits")}
     want |= {("file", "project", p) for p in ("old_pass", "update", "full_logits")}
     want |= {("file", "balanced", p) for p in ("old_pass", "update")}  # equal lengths: no balanced run
     assert set(phases) == want, sorted(phases)
     for x in phases.values():
         for field in ("seconds", "times", "tokens_per_s", "tflops", "mfu", "peak_gib", "padded_frac",
-                      "micro_batches", "tokens", "tokens_computed", "host_syncs"):
+                      "micro_batches", "tokens", "tokens_computed", "host_syncs", "warmup_s"):
             assert field in x, (field, x)
         assert x["seconds"] > 0 and x["peak_gib"] > 0 and x["mfu"] is None and 0 <= x["padded_frac"] < 1
         assert x["host_syncs"] is None  # CUDA's sync debug mode: not on CPU
@@ -119,7 +127,7 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     assert [(x["lengths"], x["grouping"]) for x in padding] == [
         ("equal", "policy.micro_batches"), ("equal", "balanced_micro_batches"),
         ("file", "policy.micro_batches"), ("file", "balanced_micro_batches")]
-    assert r.stdout.count("| update |") == 3 and r.stdout.count("update / full_logits: time") == 2
+    assert r.stdout.count("| update |") == 5 and r.stdout.count("update / full_logits: time") == 2
     assert "MFU against no TFLOP/s (model FLOPs: 2N per token" in r.stdout
 
 

@@ -271,7 +271,7 @@ def test_the_settings_tables_say_what_flags_says():
     import stapo
     defaults = {"--" + key.replace("_", "-"): (default, text) for group in stapo.FLAGS.values()
                 for key, default, text, *_ in group}
-    switches = set(stapo.SWITCHES) | {"--no-chat-template"}
+    switches = set(stapo.SWITCHES) | {"--no-chat-template", "--no-checkpointing"}
     readme = flag_rows("README.md", "## The paper's settings", column=2)
     training = flag_rows("docs/training.md", "## Flags beyond the paper's settings", column=0)
     named = {f for table in (readme, training) for flags in table for f in flags}

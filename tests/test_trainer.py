@@ -463,6 +463,77 @@ def test_the_policys_forward_is_the_models_log_softmax(tiny, attention):
     assert (policy.masks is None) == (attention == "eager")
 
 
+def test_compiled_layers_compute_what_the_eager_layers_do(tiny):
+    """policy.compile_layers (stapo.py --compile-layers; auto: on CUDA) against the eager layers, on the same
+    weights and samples: log p of every response token and every parameter's gradient, over two micro-batches
+    of different shapes (the dynamic-shape graph), with FSDP2 and checkpointing as the trainer builds them.
+    On a GPU (benchmarks/gpu_check.sh runs this test there) the backend is inductor, in fp32 and bf16; on CPU,
+    aot_eager in fp32: dynamo's capture, the FSDP2 hooks it skips and AOT autograd are ours to prove, while
+    inductor's CPU kernels, which no GPU runs, cost a minute of compiling. Tolerances, the largest gap over
+    log p and gradients against the fp32 eager result: fp32, 1e-5 of the largest value (reordered sums);
+    bf16, at most twice the bf16 eager layers' own gap (a fused chain kept in fp32 is closer to fp32).
+    Breaks if compile_layers compiles nothing (no graph), renames the parameters (torch.compile(layer) wraps
+    it: _orig_mod., which checkpoints and syncs would not find), or computes something else."""
+    d, _ = tiny
+    rank, world, device, mesh = parallel.init_distributed()
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    g = torch.Generator().manual_seed(0)
+    rows = [(torch.randint(100, (p,), generator=g).tolist(), torch.randint(100, (r,), generator=g).tolist())
+            for p, r in ((3, 4), (5, 2), (2, 7), (4, 3), (6, 9))]
+    valid = (torch.arange(9) < torch.tensor([len(r) for _, r in rows])[:, None]).to(device)
+
+    def run(policy):
+        policy.zero_grad(set_to_none=True)
+        out = []
+        for idx in ([0, 1, 2], [3, 4]):  # [3, 9] then [2, 15]: a second shape
+            logp = policies.response_logprobs(policy, rows, idx, valid, 1.0).logp
+            (logp * valid[idx]).sum().backward()
+            out.append(logp.detach().float().flatten())
+        return torch.cat(out + [p.grad.full_tensor().float().flatten() for p in policy.parameters()])
+
+    def both(dtype):  # (eager, compiled) on one policy
+        policy = policies.build_policy(str(d / "model"), mesh, device, dtype)
+        names, graphs = [n for n, _ in policy.named_parameters()], counters["stats"]["unique_graphs"]
+        eager = run(policy)
+        policies.compile_layers(policy.lm, True, backend)
+        try:
+            assert [n for n, _ in policy.named_parameters()] == names
+            compiled = run(policy)
+            assert counters["stats"]["unique_graphs"] > graphs  # something was compiled
+        finally:
+            policies.compile_layers(policy.lm, False)
+        return eager, compiled
+
+    from torch._dynamo.utils import counters
+    try:
+        ref, fp32 = both(torch.float32)
+        gap = lambda x: (x - ref).abs().max().item() / ref.abs().max().item()  # noqa: E731
+        print(f"compiled layers ({backend}): fp32, gap {gap(fp32):.2e} of the largest value")
+        assert gap(fp32) <= 1e-5
+        if device.type == "cuda":  # on CPU, aot_eager runs bf16 through the same aten ops as eager
+            eager16, compiled16 = both(torch.bfloat16)
+            print(f"bf16: gap {gap(compiled16):.2e}, the eager bf16 layers' {gap(eager16):.2e}")
+            assert gap(compiled16) <= 2 * gap(eager16)
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("flags, want", [((), (False, True)),
+                                         (("--compile-layers", "on", "--no-checkpointing"), (True, False))])
+def test_the_speed_flags_reach_the_policy(tiny, tmp_path, monkeypatch, flags, want):
+    """--compile-layers (auto: on CUDA only, so off here) and --no-checkpointing reach policy.build_policy as
+    (compiled, checkpointing). Breaks if either flag is dropped on its way, or if auto compiles on a CPU."""
+    class Built(Exception):
+        pass
+
+    def build(path, mesh, device, dtype, compiled, checkpointing):
+        raise Built(compiled, checkpointing)
+    monkeypatch.setattr(stapo, "build_policy", build)
+    with pytest.raises(Built) as seen:
+        stapo.train(stapo.get_args(args_for(tiny[0], tmp_path, *flags)))
+    assert seen.value.args == want
+
+
 class HostReads(TorchDispatchMode):
     """The aten calls that make a GPU wait for the host, while `on`: a read of a tensor (.item(), float(),
     bool(): _local_scalar_dense, is_nonzero) and the calls whose output size is data (nonzero, masked_select,
