@@ -1060,11 +1060,13 @@ def test_the_engine_is_closed_when_its_first_sync_fails(tiny, tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_a_users_error_is_one_line_and_exit_code_2(tiny, tmp_path):
+def test_a_users_error_is_one_line_and_exit_code_2(tiny, tmp_path, capsys):
     """A wrong flag value, a missing model folder, a malformed dataset line and a used --out each end the run with
     one line naming the flag, file or line, exit code 2 and no traceback; under torchrun rank 0 alone prints it
-    (torchrun's own report of the failed workers follows). Breaks with a traceback before the message (an
-    exception left to Python), a message from every rank, or another exit code."""
+    (torchrun's own report of the failed workers follows). The single-process cases run through stapo.py's own
+    main (parallel.run_program over train) in this process; the torchrun case is real processes. Breaks with a
+    traceback before the message (an exception left to Python), a message from every rank, or another exit
+    code."""
     d, _ = tiny
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "What is 1 + 1?", "answer": "2"}\nnot json\n')
@@ -1079,10 +1081,11 @@ def test_a_users_error_is_one_line_and_exit_code_2(tiny, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for message, flags in cases.items():
         argv = args_for(d, tmp_path / "out", *flags)
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "stapo.py"), *argv], capture_output=True, text=True,
-                           cwd=ROOT, env=env, timeout=300)
-        lines = [line for line in r.stderr.splitlines() if line.strip()]
-        assert r.returncode == 2 and len(lines) == 1 and message in lines[0], (message, r.returncode, r.stderr[-2000:])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            parallel.run_program(lambda: stapo.train(stapo.get_args(argv)))  # stapo.py's __main__
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert stop.value.code == 2 and len(lines) == 1 and message in lines[0], (message, stop.value.code, lines)
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         os.path.join(ROOT, "stapo.py"), *args_for(d, tmp_path / "out2", "--dataset", str(bad))],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
