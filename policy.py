@@ -23,9 +23,9 @@ class Policy(torch.nn.Module):
     def __init__(self, lm):
         super().__init__()
         self.lm = lm
-        # transformers builds each forward's causal mask and, looking for packed sequences, reads a tensor back
-        # (a wait on the GPU). Right-padded ids need no mask where the attention kernel masks causally itself:
-        # there, the masks are given as None, which is what transformers would have built.
+        # transformers builds each forward's causal mask and, looking for packed sequences, reads a tensor
+        # back (a wait on the GPU). Right-padded ids need no mask where the attention kernel masks causally
+        # itself: there, the masks are given as None, which is what transformers would have built.
         config = lm.config
         causal = config._attn_implementation in ("sdpa", "flash_attention_2", "flash_attention_3")
         kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
@@ -119,21 +119,28 @@ def head_grad_norm(policy):
 
 # ---- the policy's passes over a batch ------------------------------------------------------------
 
+def runs(lengths, budget):
+    """Cut `lengths`, sorted shortest first, into consecutive runs of at most `budget` padded tokens (a run is
+    padded to its last, its longest; a length over the budget runs alone): a list of slices."""
+    out, start = [], 0
+    for end in range(1, len(lengths) + 1):  # the run [start, end), padded to lengths[end - 1]
+        if end - start > 1 and lengths[end - 1] * (end - start) > budget:
+            out.append(slice(start, end - 1))
+            start = end - 1
+    if lengths:
+        out.append(slice(start, len(lengths)))
+    return out
+
+
 def micro_batches(rows, idx, budget):
     """Split idx, sample indices sorted by length (shortest first, as split_minibatches gives them), into
-    consecutive runs of at most `budget` padded tokens (similar lengths share a micro-batch, so little of it
-    is padding): a list of slices of idx, the same count on every rank (FSDP's collectives need it); a rank
-    with fewer runs empty ones (None)."""
+    runs of at most `budget` padded tokens (similar lengths share a micro-batch, so little of it is padding):
+    a list of slices of idx, the same count on every rank (FSDP's collectives need it); a rank with fewer
+    runs empty ones (None)."""
     n = [len(rows[i][0]) + len(rows[i][1]) for i in idx]
     if n != sorted(n):
         raise ValueError("policy.micro_batches: idx must be sorted by length, shortest first")
-    out, start = [], 0
-    for end in range(1, len(n) + 1):  # the run idx[start:end], padded to n[end - 1]
-        if end - start > 1 and n[end - 1] * (end - start) > budget:
-            out.append(slice(start, end - 1))
-            start = end - 1
-    if n:
-        out.append(slice(start, len(n)))
+    out = runs(n, budget)
     count = int(all_reduce_numbers(len(out), op=dist.ReduceOp.MAX)[0])
     return out + [None] * (count - len(out))
 

@@ -419,16 +419,11 @@ def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name,
 
 def print_padding(rows, idx, a, dist_name, project):
     """The padded fraction of each grouping at --micro-tokens (pure arithmetic). project: the groups of
-    policy.micro_batches (None: computed here by its rule, without a process group)."""
+    policy.micro_batches (None: its runs, policy.runs, without the process group it needs)."""
     if project is None:
-        project, cur, longest = [], [], 0  # policy.micro_batches' rule, for --padding-only (no process group)
-        for i in idx:
-            n = len(rows[i][0]) + len(rows[i][1])
-            if cur and max(longest, n) * (len(cur) + 1) > a.micro_tokens:
-                project.append(cur)
-                cur, longest = [], 0
-            cur, longest = cur + [i], max(longest, n)
-        project += [cur] if cur else []
+        from policy import runs
+        lengths = [len(rows[i][0]) + len(rows[i][1]) for i in idx]
+        project = [idx[part] for part in runs(lengths, a.micro_tokens)]
     for label, groups in (("policy.micro_batches", project),
                           ("balanced_micro_batches", balanced_micro_batches(rows, idx, a.micro_tokens))):
         pad, computed = padding(rows, groups)

@@ -44,8 +44,8 @@ def test_padding_counts_each_micro_batch_at_its_longest():
 
 
 def test_the_padding_only_rule_is_policy_micro_batches(monkeypatch, capsys):
-    """--padding-only computes the project's grouping without a process group: it must stay the rule of
-    policy.micro_batches (the number the issue asks about): checked against that function on a long tail."""
+    """--padding-only computes the project's grouping without a process group (policy.runs): the groups of
+    policy.micro_batches (the number the issue asks about), checked against that function on a long tail."""
     import policy
     tp = _load()
     monkeypatch.setattr(policy, "all_reduce_numbers", lambda *xs, op=None: list(xs))  # a world of one
