@@ -97,6 +97,11 @@ def set_checkpointing(lm, on):
         lm.gradient_checkpointing_disable()
 
 
+def layers_compiled(flag, device):
+    """--compile-layers auto|on|off: whether compile_layers runs (auto: on CUDA only; CPU runs stay eager)."""
+    return flag == "on" or (flag == "auto" and device.type == "cuda")
+
+
 def compile_layers(lm, on, backend="inductor"):
     """torch.compile of each decoder layer, in place (on), or eager again (off). The compiled layer fuses
     its norms, RoPE, SwiGLU and residual adds; shapes are dynamic (micro-batches differ in length), FSDP2's

@@ -26,7 +26,8 @@ from evaluation import PRESETS as EVAL_PRESETS, EvalOptions, evaluate_during_tra
 from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after
 from parallel import (UserError, all_reduce_numbers, check_shared_out, gather, gather_cat, init_distributed,
                       refuse_used_out, require_model, run_program)
-from policy import TokenStats, build_policy, head_grad_norm, micro_batches, response_logprobs, token_stats
+from policy import (TokenStats, build_policy, head_grad_norm, layers_compiled, micro_batches,
+                    response_logprobs, token_stats)
 from problems import encode_problems, load_problems, probe_tokens, seed_of, step_prompts
 from reward import score_all
 from rollout import compute_dtype, full_params, make_engine, sampler_logprobs
@@ -375,7 +376,7 @@ def train(args):
     data = encode_problems(tok, problems, args.max_prompt_len, args.chat_template, args.enable_thinking)
     context, dtype = context_length(args, tok), compute_dtype(args.dtype, device)
     probe = probe_tokens(tok, context - 1, args.chat_template)  # the sync's self-check
-    compiled = args.compile_layers == "on" or (args.compile_layers == "auto" and device.type == "cuda")
+    compiled = layers_compiled(args.compile_layers, device)
     policy = build_policy(args.model, mesh, device, dtype, compiled, args.checkpointing)
     fused = dict(fused=True) if device.type == "cuda" else dict(foreach=True)  # one kernel per step on a GPU
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, **fused)

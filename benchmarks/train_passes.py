@@ -292,7 +292,7 @@ def main(argv=None):
     try:
         if not os.path.exists(os.path.join(folder, "config.json")):
             save_random_model(folder, a.shape, device)
-        compiled = cuda  # as stapo.py builds it (--compile-layers auto)
+        compiled = P.layers_compiled("auto", device)  # as stapo.py builds it by default
         policy = P.build_policy(folder, mesh, device, dtype, compiled)
     finally:
         if not a.model_dir:
@@ -324,9 +324,9 @@ def main(argv=None):
             print_table(config, a, name, peak, dist_name, grouping)
         P.micro_batches = S.micro_batches = project
     dist_name, rows, idx = batches[0]
+    phases = ",".join(x for x in a.phases.split(",") if x != "full_logits")  # the reference is no lever's
     for combo in filter(None, a.levers.split(",")):
         levers = combo.split("+")
-        phases = ",".join(x for x in a.phases.split(",") if x != "full_logits")
         b = argparse.Namespace(**{**vars(a), "phases": phases,
                                   "micro_tokens": a.micro_tokens * (4 if "micro_tokens_x4" in levers else 1)})
         groups = [idx[part] for part in project(rows, idx, b.micro_tokens) if part]

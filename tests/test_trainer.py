@@ -474,6 +474,7 @@ def test_compiled_layers_compute_what_the_eager_layers_do(tiny):
     bf16, at most twice the bf16 eager layers' own gap (a fused chain kept in fp32 is closer to fp32).
     Breaks if compile_layers compiles nothing (no graph), renames the parameters (torch.compile(layer) wraps
     it: _orig_mod., which checkpoints and syncs would not find), or computes something else."""
+    from torch._dynamo.utils import counters
     d, _ = tiny
     rank, world, device, mesh = parallel.init_distributed()
     backend = "inductor" if device.type == "cuda" else "aot_eager"
@@ -504,7 +505,6 @@ def test_compiled_layers_compute_what_the_eager_layers_do(tiny):
             policies.compile_layers(policy.lm, False)
         return eager, compiled
 
-    from torch._dynamo.utils import counters
     try:
         ref, fp32 = both(torch.float32)
         gap = lambda x: (x - ref).abs().max().item() / ref.abs().max().item()  # noqa: E731
