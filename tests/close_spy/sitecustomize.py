@@ -14,8 +14,9 @@ def spy_on(rollout):
     import torch
     real = rollout.VLLMEngine.close
 
-    def close(self):
-        print(SAID, torch.distributed.is_initialized(), flush=True)
+    def close(self):  # one write of the whole line: two ranks share the log, and print's pieces interleave
+        sys.stdout.write(f"{SAID} {torch.distributed.is_initialized()}\n")
+        sys.stdout.flush()
         real(self)
     rollout.VLLMEngine.close = close
 
