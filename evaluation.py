@@ -11,10 +11,8 @@ import os
 import re
 from dataclasses import dataclass
 
-import datasets
-
 from parallel import gather
-from problems import encode_prompt, problem_answer, read_jsonl, seed_of
+from problems import encode_prompt, problem_answer, read_dataset, read_jsonl, seed_of
 from reward import check_all, extract_answer, extract_boxed
 
 # name: (Hub id, split, problem column, answer column, samples per problem)
@@ -57,11 +55,7 @@ def load_benchmark(name, data_dir=None, source=None):
         rows = read_jsonl(path)
     else:
         hub, split = BENCHMARKS[name][:2]
-        if path:
-            ds = datasets.load_dataset("parquet", data_files=path, split="train")
-        else:
-            ds = datasets.load_dataset(hub, split=split)
-        rows = [(f"{path or hub}: row {i}", r) for i, r in enumerate(ds)]
+        rows = read_dataset(path or hub, split)
     return [benchmark_row(name, r, i, where) for i, (where, r) in enumerate(rows)]
 
 

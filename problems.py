@@ -5,7 +5,6 @@ import hashlib
 import json
 import os
 
-import datasets
 import torch
 
 from parallel import UserError
@@ -90,16 +89,23 @@ def problem_answer(row, where):
     return content, gold
 
 
+def read_dataset(spec, split):
+    """[(where, row)] of a local .parquet file or a Hub dataset's split, read by `datasets` (imported here, so
+    a run from .jsonl files never loads it: a second of every process's start)."""
+    import datasets
+    if spec.endswith(".parquet"):
+        ds = datasets.load_dataset("parquet", data_files=spec, split="train")
+    else:
+        ds = datasets.load_dataset(spec, split=split)
+    return [(f"{spec}: row {i}", r) for i, r in enumerate(ds)]
+
+
 def load_problems(spec):
     """[(problem, answer)] from a local .jsonl/.parquet or a Hub dataset, duplicates of a problem dropped."""
     if spec.endswith(".jsonl"):
         rows = read_jsonl(spec)
     else:
-        if spec.endswith(".parquet"):
-            ds = datasets.load_dataset("parquet", data_files=spec)["train"]
-        else:
-            ds = datasets.load_dataset(spec, split="train")
-        rows = [(f"{spec}: row {i}", r) for i, r in enumerate(ds)]
+        rows = read_dataset(spec, "train")
     seen, out = set(), []
     for where, row in rows:
         problem, answer = problem_answer(row, where)

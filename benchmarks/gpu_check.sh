@@ -17,8 +17,9 @@
 #   bash benchmarks/gpu_check.sh "$OUT"                       # on the GPU machine, from the repository root
 #   GPU_CHECK_TINY=1 bash benchmarks/gpu_check.sh /tmp/gc     # on CPU: tiny shapes, end to end (~3 minutes)
 #
-# The GPU image lacks datasets, dill and multiprocess (stapo.py imports datasets): carry them as wheels in
-# .whl (see docs/performance.md); the script installs whatever .whl holds into /tmp/site first.
+# The GPU image lacks datasets, dill and multiprocess (problems.py reads a .parquet or Hub dataset through
+# datasets; the check's .jsonl runs do not): carry them as wheels in .whl (see docs/performance.md) for such
+# runs; the script installs whatever .whl holds into /tmp/site first.
 set -u
 out=${1:?usage: bash benchmarks/gpu_check.sh FOLDER}
 mkdir -p "$out"
