@@ -10,6 +10,8 @@
 #      micro-batches and the prototype's;
 #   2b. with GPU_CHECK_LEVERS=1 (90 s more): the levers, each alone against the base on the same model
 #      (train_passes.py --levers, equal lengths): the layers eager, checkpointing off, micro-batches 4x larger;
+#   2c. with GPU_CHECK_PROFILE=1 (120 s more): where the update's time goes (train_passes.py --profile update,
+#      equal lengths): the kernels' share of the wall time and the operators that take the most of it;
 #   3. examples/gpu_smoke.py --engine hf with the tests' tiny Qwen3 (tests/reference.toy_model, hidden 128).
 # It prints each section's table, then a summary, and writes everything to FOLDER/gpu_check.log (with the
 # smoke test's command logs in FOLDER/smoke_logs.txt).
@@ -39,12 +41,12 @@ if [ -n "${GPU_CHECK_TINY:-}" ]; then  # the CPU rehearsal: every command, at sh
   head_args=(--batch 2 --seq 128 --vocab 3000)
   h1=64 h2=96
   passes=(--shape tiny --samples 16 --prompt 16 --response 32 --micro-tokens 1024 --reps 1)
-  cap_test=300 cap_head=150 cap_passes=200 cap_levers=300 cap_smoke=400
+  cap_test=300 cap_head=150 cap_passes=200 cap_levers=300 cap_profile=200 cap_smoke=400
 else
   head_args=(--batch 8 --seq 2048 --vocab 151936)
   h1=2048 h2=4096
   passes=(--shape 1.7b --samples 64 --prompt 256 --response 1024 --micro-tokens 16384 --reps 1)
-  cap_test=150 cap_head=90 cap_passes=150 cap_levers=90 cap_smoke=180
+  cap_test=150 cap_head=90 cap_passes=150 cap_levers=90 cap_profile=120 cap_smoke=180
 fi
 
 section() { echo; echo "==== $1 ($(date +%T))"; }
@@ -85,6 +87,11 @@ timeout $cap_levers "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths eq
   --model-dir "$work/model" | tee "$work/levers.txt"
 touch "$work/levers.txt"
 
+[ -n "${GPU_CHECK_PROFILE:-}" ] && section "2c. where the update's time goes: benchmarks/train_passes.py --profile" &&
+timeout $cap_profile "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths equal --phases update \
+  --profile update --model-dir "$work/model" | tee "$work/profile.txt"
+touch "$work/profile.txt"
+
 section "3. examples/gpu_smoke.py --engine hf"
 timeout $cap_smoke "$PY" - "$work/toy" <<'EOF'
 import os, sys
@@ -109,6 +116,7 @@ grep -h "tokens, vocab\|/naive:" "$work"/head*.txt
 grep -h "^| \(phase\|old_pass\|update\|full_logits\) \|^update / \|grouping .* --micro-tokens" \
   "$work/passes.txt" "$work/levers.txt"
 grep -h '"phase": "padding"' "$work/passes.txt" | cut -c1-200
+grep -h '"phase": "profile"' "$work/profile.txt"
 grep -h "^smoke:\|^PASS\|^FAIL" "$work/smoke.txt"
 echo "log: $log"
 rm -rf "$work"

@@ -4,6 +4,7 @@ and the padding of the micro-batches, on one device.
     python benchmarks/train_passes.py --shape 1.7b --samples 64 --prompt 256 --response 1024     # one GPU
     python benchmarks/train_passes.py --shape 1.7b --lengths equal,lognormal --grouping project,balanced
     python benchmarks/train_passes.py --lengths lognormal --padding-only        # the padding alone, no model
+    python benchmarks/train_passes.py --shape 1.7b --phases update --reps 1 --profile update    # where it goes
     python benchmarks/train_passes.py --shape tiny --samples 16 --prompt 16 --response 48       # CPU, seconds
 
 The model is a random Qwen3 of the shape (tiny: 2 layers of 64 for the tests; 0.6b, 1.7b, 4b tied; 8b untied;
@@ -47,6 +48,10 @@ and it is turned off again, so each lever is measured against the base on the sa
   compile_layers    each decoder layer compiled (policy.compile_layers; the base's choice on CUDA, as
                     stapo.py's --compile-layers auto), its compile in the warm-up run
   eager_layers      each decoder layer eager (the base's choice on CPU)
+Profile (--profile, a comma list of phases): after a phase's timed runs, one more run of it under
+torch.profiler: one JSON line (its wall time; on CUDA, the kernels' summed time and its share of the wall,
+which says whether the device waited on the host) and the profiler's table of the operators with the most
+time of their own (device time on CUDA, CPU time on CPU), for the base and for each lever.
 Every phase prints one JSON line; a table and the ratios (of this one run) close the output.
 """
 import argparse, dataclasses, json, math, os, shutil, statistics, sys, tempfile, time, types, warnings
@@ -265,6 +270,7 @@ def main(argv=None):
     p.add_argument("--padding-only", action="store_true", help="print the padded fractions, run nothing")
     p.add_argument("--levers", default="", help="comma list of levers, each measured alone against the base "
                    f"(a+b: both): {', '.join(LEVERS)}")
+    p.add_argument("--profile", default="", help="comma list of phases profiled once after their timed runs")
     a = p.parse_args(argv)
     for lever in filter(None, a.levers.replace("+", ",").split(",")):
         if lever not in LEVERS:
@@ -403,6 +409,8 @@ def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name,
                 warmup = seconds
         if not times:
             continue
+        if phase in a.profile.split(","):
+            profile(fn, cuda, phase, dist_name, grouping, lever)
         s = statistics.median(times)
         tflops = flops / s / 1e12
         out = {"phase": phase, "lengths": dist_name, "grouping": grouping, "lever": lever,
@@ -415,6 +423,28 @@ def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name,
         results[phase] = out
         print(json.dumps(out), flush=True)
     return results
+
+
+def profile(fn, cuda, phase, dist_name, grouping, lever, rows=15):
+    """One more run of fn under torch.profiler: a JSON line (wall time; on CUDA the kernels' summed time, and
+    its share of the wall: well under 1, the device waited on the host) and the operators with the most
+    time of their own."""
+    from torch.profiler import ProfilerActivity, profile as profiler
+    with profiler(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    events, kernels = prof.key_averages(), None
+    if cuda:  # the kernels' own time, as the table's "Self CUDA time total" sums it
+        kernels = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                      and not getattr(e, "is_user_annotation", False)) / 1e6
+    print(json.dumps({"phase": "profile", "of": phase, "lengths": dist_name, "grouping": grouping, "lever": lever,
+                      "wall_s": round(wall, 4), "kernels_s": None if kernels is None else round(kernels, 4),
+                      "device_busy": None if kernels is None else round(kernels / wall, 3)}), flush=True)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(events.table(sort_by=key, row_limit=rows, max_name_column_width=60), flush=True)
 
 
 def print_padding(rows, idx, a, dist_name, project):

@@ -83,8 +83,8 @@ def test_the_balanced_grouping_keeps_the_budget_and_pads_less_than_the_projects(
 def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     """The benchmark end to end on CPU (the project's build_policy, token_stats and update, and the
     full-logits update), two length distributions, both groupings, two levers (on the first lengths, the
-    project's grouping): every phase's line has every field, the table and the ratios are printed. About 30 s
-    here."""
+    project's grouping), every update profiled: every phase's line has every field, the table and the ratios
+    are printed. About 30 s here."""
     tp = _load()
     lengths = [4, 4, 4, 18, 18, 40, 41, 42]  # sequences of 10, 10, 10, 24, 24, 46, 47, 48
     (tmp_path / "lengths.txt").write_text("\n".join(map(str, lengths)))
@@ -95,7 +95,7 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     r = subprocess.run([sys.executable, script, "--shape", "tiny", "--samples", "8", "--prompt", "6",
                         "--response", "12", "--lengths", f"equal,{tmp_path / 'lengths.txt'}", "--grouping",
                         "project,balanced", "--micro-tokens", "96", "--reps", "1", "--levers",
-                        "micro_tokens_x4,no_checkpointing"],
+                        "micro_tokens_x4,no_checkpointing", "--profile", "update"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
@@ -105,7 +105,7 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     assert build["device"] == "cpu" and build["peak_tflops"] is None and build["params"] > 0
     phases = {(x["lengths"], x["grouping"], x["phase"]): x for x in lines[1:] if "seconds" in x
               and not x["lever"]}
-    levers = {(x["lever"], x["phase"]): x for x in lines[1:] if x.get("lever")}
+    levers = {(x["lever"], x["phase"]): x for x in lines[1:] if x.get("lever") and "seconds" in x}
     assert set(levers) == {(lever, p) for lever in ("micro_tokens_x4", "no_checkpointing")
                            for p in ("old_pass", "update")}  # no full_logits: the levers are the policy's
     assert levers["micro_tokens_x4", "update"]["micro_batches"] < phases["equal", "project", "update"][
@@ -128,6 +128,11 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
         ("equal", "policy.micro_batches"), ("equal", "balanced_micro_batches"),
         ("file", "policy.micro_batches"), ("file", "balanced_micro_batches")]
     assert r.stdout.count("| update |") == 5 and r.stdout.count("update / full_logits: time") == 2
+    profiles = [x for x in lines if x["phase"] == "profile"]  # one per update run: the base's three, two levers
+    assert [(x["of"], x["lever"]) for x in profiles] == [("update", None)] * 3 + [
+        ("update", "micro_tokens_x4"), ("update", "no_checkpointing")]
+    assert all(x["wall_s"] > 0 and x["kernels_s"] is None and x["device_busy"] is None for x in profiles)
+    assert r.stdout.count("Self CPU time total") == 5 and "aten::mm" in r.stdout  # the profiler's tables
     assert "MFU against no TFLOP/s (model FLOPs: 2N per token" in r.stdout
 
 
