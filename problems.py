@@ -91,7 +91,7 @@ def problem_answer(row, where):
 
 def read_dataset(spec, split):
     """[(where, row)] of a local .parquet file or a Hub dataset's split, read by `datasets` (imported here, so
-    a run from .jsonl files never loads it: a second of every process's start)."""
+    a run from .jsonl files never loads it: 0.85 s of every process's start, here)."""
     import datasets
     if spec.endswith(".parquet"):
         ds = datasets.load_dataset("parquet", data_files=spec, split="train")

@@ -87,7 +87,7 @@ timeout $cap_levers "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths eq
   --model-dir "$work/model" | tee "$work/levers.txt"
 touch "$work/levers.txt"
 
-[ -n "${GPU_CHECK_PROFILE:-}" ] && section "2c. where the update's time goes: benchmarks/train_passes.py --profile" &&
+[ -n "${GPU_CHECK_PROFILE:-}" ] && section "2c. where the update's time goes: train_passes.py --profile" &&
 timeout $cap_profile "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths equal --phases update \
   --profile update --model-dir "$work/model" | tee "$work/profile.txt"
 touch "$work/profile.txt"

@@ -4,7 +4,7 @@ and the padding of the micro-batches, on one device.
     python benchmarks/train_passes.py --shape 1.7b --samples 64 --prompt 256 --response 1024     # one GPU
     python benchmarks/train_passes.py --shape 1.7b --lengths equal,lognormal --grouping project,balanced
     python benchmarks/train_passes.py --lengths lognormal --padding-only        # the padding alone, no model
-    python benchmarks/train_passes.py --shape 1.7b --phases update --reps 1 --profile update    # where it goes
+    python benchmarks/train_passes.py --shape 1.7b --phases update --reps 1 --profile update  # where it goes
     python benchmarks/train_passes.py --shape tiny --samples 16 --prompt 16 --response 48       # CPU, seconds
 
 The model is a random Qwen3 of the shape (tiny: 2 layers of 64 for the tests; 0.6b, 1.7b, 4b tied; 8b untied;
@@ -438,10 +438,12 @@ def profile(fn, cuda, phase, dist_name, grouping, lever, rows=15):
         wall = time.perf_counter() - t
     events, kernels = prof.key_averages(), None
     if cuda:  # the kernels' own time, as the table's "Self CUDA time total" sums it
-        kernels = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-                      and not getattr(e, "is_user_annotation", False)) / 1e6
-    print(json.dumps({"phase": "profile", "of": phase, "lengths": dist_name, "grouping": grouping, "lever": lever,
-                      "wall_s": round(wall, 4), "kernels_s": None if kernels is None else round(kernels, 4),
+        cuda_kind = torch.autograd.DeviceType.CUDA
+        kernels = sum(e.self_device_time_total for e in events
+                      if e.device_type == cuda_kind and not getattr(e, "is_user_annotation", False)) / 1e6
+    print(json.dumps({"phase": "profile", "of": phase, "lengths": dist_name, "grouping": grouping,
+                      "lever": lever, "wall_s": round(wall, 4),
+                      "kernels_s": None if kernels is None else round(kernels, 4),
                       "device_busy": None if kernels is None else round(kernels / wall, 3)}), flush=True)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     print(events.table(sort_by=key, row_limit=rows, max_name_column_width=60), flush=True)
