@@ -2,6 +2,7 @@
 forward gives each response token's log p and entropy (head.ChunkedHead: never the full logits), built from a
 checkpoint read once; and the micro-batched passes of stapo.py's step over it.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -124,28 +125,49 @@ def head_grad_norm(policy):
 
 # ---- the policy's passes over a batch ------------------------------------------------------------
 
-def runs(lengths, budget):
+# A micro-batch's fixed cost (its launches; FSDP's all-gathers and reduce-scatters), in budgets, that runs
+# weighs against the padding a cut saves: on CUDA. On CPU none: the fewest micro-batches that fit, the cut
+# every CPU figure was recorded with (another cut moves a tiny model's trajectory in its last bits).
+MICRO_BATCH_COST = {"cuda": 1 / 16}
+
+
+def runs(lengths, budget, cost=None):
     """Cut `lengths`, sorted shortest first, into consecutive runs of at most `budget` padded tokens (a run is
-    padded to its last, its longest; a length over the budget runs alone): a list of slices."""
-    out, start = [], 0
-    for end in range(1, len(lengths) + 1):  # the run [start, end), padded to lengths[end - 1]
-        if end - start > 1 and lengths[end - 1] * (end - start) > budget:
-            out.append(slice(start, end - 1))
-            start = end - 1
-    if lengths:
-        out.append(slice(start, len(lengths)))
-    return out
+    padded to its last, its longest; a length over the budget runs alone): a list of slices. cost None: the
+    fewest runs, each as long as fits. A number: the tokens computed, padding included, plus `cost` x budget
+    tokens for each run, fewest (an exact dynamic programme over the cut points): on a long tail, a few more
+    micro-batches and half the padding (docs/performance.md)."""
+    if cost is None:
+        out, start = [], 0
+        for end in range(1, len(lengths) + 1):  # the run [start, end), padded to lengths[end - 1]
+            if end - start > 1 and lengths[end - 1] * (end - start) > budget:
+                out.append(slice(start, end - 1))
+                start = end - 1
+        return out + [slice(start, len(lengths))] if lengths else []
+    best, cut = [0.0] + [math.inf] * len(lengths), [0] * (len(lengths) + 1)
+    for end in range(1, len(lengths) + 1):  # best[end]: the first `end` lengths, the last run [start, end)
+        for start in range(end - 1, -1, -1):
+            if end - start > 1 and (end - start) * lengths[end - 1] > budget:
+                break
+            total = best[start] + (end - start) * lengths[end - 1] + cost * budget
+            if total < best[end]:
+                best[end], cut[end] = total, start
+    out, end = [], len(lengths)
+    while end:
+        out.append(slice(cut[end], end))
+        end = cut[end]
+    return out[::-1]
 
 
-def micro_batches(rows, idx, budget):
+def micro_batches(rows, idx, budget, device):
     """Split idx, sample indices sorted by length (shortest first, as split_minibatches gives them), into
-    runs of at most `budget` padded tokens (similar lengths share a micro-batch, so little of it is padding):
-    a list of slices of idx, the same count on every rank (FSDP's collectives need it); a rank with fewer
-    runs empty ones (None)."""
+    runs of at most `budget` padded tokens (similar lengths share a micro-batch, so little of it is padding;
+    `runs`, at `device`'s MICRO_BATCH_COST): a list of slices of idx, the same count on every rank (FSDP's
+    collectives need it); a rank with fewer runs empty ones (None)."""
     n = [len(rows[i][0]) + len(rows[i][1]) for i in idx]
     if n != sorted(n):
         raise ValueError("policy.micro_batches: idx must be sorted by length, shortest first")
-    out = runs(n, budget)
+    out = runs(n, budget, MICRO_BATCH_COST.get(device.type))
     count = int(all_reduce_numbers(len(out), op=dist.ReduceOp.MAX)[0])
     return out + [None] * (count - len(out))
 
@@ -205,7 +227,7 @@ def token_stats(policy, rows, idx, valid, micro_tokens, temperature, collision=F
     """The TokenStats of mini-batch idx without a graph (its log p, H and, if asked, sum pi^2), computed in
     the micro-batches stapo.update runs it in: the same shapes, so the same numbers for the same weights."""
     out = TokenStats.zeros((len(idx), valid.shape[1]), valid.device, collision)
-    for part in micro_batches(rows, idx, micro_tokens):
+    for part in micro_batches(rows, idx, micro_tokens, valid.device):
         stats = response_logprobs(policy, rows, idx[part or slice(1)], valid, temperature, collision)
         if part:  # None: this rank has fewer micro-batches than another, and runs one sample for nothing
             out[part] = stats

@@ -287,7 +287,7 @@ def update(policy, opt, rows, valid, mb, args, record):
     holds an unsharded gradient of the whole model. A non-finite norm (one bad batch) skips the step, as
     verl does: the norm is global, so every rank skips it, and no NaN reaches the weights."""
     stats = []
-    for part in micro_batches(rows, mb.idx, args.micro_tokens):  # slices of mb.idx: no index to copy
+    for part in micro_batches(rows, mb.idx, args.micro_tokens, valid.device):  # slices: no index to copy
         idle = part is None  # this rank has fewer micro-batches than another: one sample, at weight 0
         part = slice(1) if idle else part
         keep = torch.zeros_like(mb.keep[part]) if idle else mb.keep[part]

@@ -5,9 +5,9 @@
 #      tests/test_trainer.py::test_compiled_layers_compute_what_the_eager_layers_do, run on the GPU);
 #   1. the head: benchmarks/logprobs.py at 16,384 tokens, V 151,936, bf16, hidden 2,048 (naive, the head as
 #      the trainer runs it, and its eager buffered passes) and 4,096 (naive, the head);
-#   2. the trainer's passes: benchmarks/train_passes.py at Qwen3-1.7B's shape, 64 samples, prompt 256, equal
-#      responses of 1,024 and long-tailed ones (log-normal, median 1,024, 200..8,192), the project's
-#      micro-batches and the prototype's;
+#   2. the trainer's passes: benchmarks/train_passes.py at Qwen3-1.7B's shape, 64 samples, prompt 256,
+#      long-tailed responses (log-normal, median 1,024, 200..8,192) and equal ones of 1,024, in the
+#      micro-batches a GPU run cuts (the cheapest) and, on the long tail, the fewest that fit (CPU's cut);
 #   2b. with GPU_CHECK_LEVERS=1 (90 s more): the levers, each alone against the base on the same model
 #      (train_passes.py --levers, equal lengths): the layers eager, checkpointing off, micro-batches 4x larger;
 #   2c. with GPU_CHECK_PROFILE=1 (120 s more): where the update's time goes (train_passes.py --profile update,
@@ -78,8 +78,8 @@ left=$((cap_head - (SECONDS - t0)))
   --variants naive,chunked | tee "$work/head2.txt"
 
 section "2. the trainer's passes: benchmarks/train_passes.py"
-timeout $cap_passes "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths equal,lognormal \
-  --grouping project,balanced --model-dir "$work/model" | tee "$work/passes.txt"
+timeout $cap_passes "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths lognormal,equal \
+  --levers fewest_micro_batches --model-dir "$work/model" | tee "$work/passes.txt"
 
 [ -n "${GPU_CHECK_LEVERS:-}" ] && section "2b. the levers: benchmarks/train_passes.py --levers" &&
 timeout $cap_levers "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths equal --phases old_pass,update \
@@ -113,7 +113,7 @@ done >"$out/smoke_logs.txt"
 section "summary"
 grep -h "compiled layers (\|bf16: gap\| passed\| failed" "$work/test.txt"
 grep -h "tokens, vocab\|/naive:" "$work"/head*.txt
-grep -h "^| \(phase\|old_pass\|update\|full_logits\) \|^update / \|grouping .* --micro-tokens" \
+grep -h "^| \(phase\|old_pass\|update\|full_logits\) \|^update / \|samples, lengths .* --micro-tokens" \
   "$work/passes.txt" "$work/levers.txt"
 grep -h '"phase": "padding"' "$work/passes.txt" | cut -c1-200
 grep -h '"phase": "profile"' "$work/profile.txt"

@@ -2,7 +2,7 @@
 and the padding of the micro-batches, on one device.
 
     python benchmarks/train_passes.py --shape 1.7b --samples 64 --prompt 256 --response 1024     # one GPU
-    python benchmarks/train_passes.py --shape 1.7b --lengths equal,lognormal --grouping project,balanced
+    python benchmarks/train_passes.py --shape 1.7b --lengths lognormal --levers fewest_micro_batches
     python benchmarks/train_passes.py --lengths lognormal --padding-only        # the padding alone, no model
     python benchmarks/train_passes.py --shape 1.7b --phases update --reps 1 --profile update  # where it goes
     python benchmarks/train_passes.py --shape tiny --samples 16 --prompt 16 --response 48       # CPU, seconds
@@ -33,17 +33,19 @@ response token (the head runs on response tokens only); x3 for a training pass (
 activation recomputation is not counted. Peak TFLOP/s: --peak-tflops, else by the device's name (H100, H200:
 989, dense bf16, SXM); none on CPU (MFU printed as null).
 Padded fraction: of the tokens the decoder computes (each micro-batch padded to its longest sample), the share
-that is padding, for policy.micro_batches (the project's grouping) at --micro-tokens, and for
-balanced_micro_batches below (a prototype, this script's own), printed for every batch. --grouping balanced
-runs the passes in the prototype's micro-batches (patched into policy and stapo, this process only; the
-full_logits reference runs in the project's alone).
+that is padding, in the micro-batches the passes run (policy.micro_batches at --micro-tokens: on CUDA the
+cheapest cut, on CPU the fewest micro-batches that fit), and, printed for every batch, for both cuts.
 Host syncs (CUDA only, null on CPU): the calls of the last timed run that made the host wait for the device,
 counted by torch.cuda.set_sync_debug_mode("warn"): a fixed few per update (the statistics, the norms) and none
 per micro-batch is the aim (tests/test_trainer.py counts the micro-batch loops' on CPU).
 Levers (--levers, a comma list; a+b applies both): after the base runs, each is turned on alone (this
-process only), the phases other than full_logits run again on the first --lengths in the project's grouping,
-and it is turned off again, so each lever is measured against the base on the same model and batch:
+process only), the phases other than full_logits run again on the first --lengths, and it is turned off
+again, so each lever is measured against the base on the same model and batch:
   micro_tokens_x4   4 x --micro-tokens (fewer, larger micro-batches)
+  fewest_micro_batches    the fewest micro-batches that fit (policy.MICRO_BATCH_COST none: the CPU's cut)
+  cheapest_micro_batches  the fewest tokens computed, padding and a fixed cost per micro-batch counted (the
+                    CUDA's cut): against the other, whether the extra micro-batches cost more than the
+                    padding they save
   no_checkpointing  activation checkpointing off (stapo.py --no-checkpointing: policy.set_checkpointing)
   compile_layers    each decoder layer compiled (policy.compile_layers; the base's choice on CUDA, as
                     stapo.py's --compile-layers auto), its compile in the warm-up run
@@ -123,7 +125,7 @@ def make_rows(n, prompt, lengths, vocab, seed):
              torch.randint(vocab, (r,), generator=g).tolist()) for r in lengths]
 
 
-# ---- padding: the project's grouping and a prototype ---------------------------------------------
+# ---- padding ---------------------------------------------------------------------------------------
 
 def padding(rows, groups):
     """(padded fraction of the tokens computed, tokens computed): each micro-batch padded to its longest."""
@@ -135,52 +137,26 @@ def padding(rows, groups):
     return (1 - real / computed if computed else 0.0), computed
 
 
-def balanced_micro_batches(rows, idx, budget, overhead=None):
-    """A prototype for policy.micro_batches (not the project's): the samples sorted by length, cut into
-    consecutive micro-batches of at most `budget` padded tokens so that the tokens computed (padding included)
-    plus `overhead` tokens per micro-batch (its fixed cost: launches, FSDP's all-gathers; default budget / 16)
-    are fewest: an exact dynamic programme over the cut points, O(n^2). A sample longer than the budget runs
-    alone, as in policy.micro_batches. Returns lists of indices, shortest first (no None: one rank)."""
-    overhead = budget // 16 if overhead is None else overhead
-    order = sorted(idx, key=lambda i: len(rows[i][0]) + len(rows[i][1]))
-    n = [len(rows[i][0]) + len(rows[i][1]) for i in order]
-    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
-    for j in range(1, len(order) + 1):  # best[j]: the first j samples; the last micro-batch is order[i:j]
-        for i in range(j - 1, -1, -1):
-            if (j - i) * n[j - 1] > budget and j - i > 1:
-                break
-            cost = best[i] + (j - i) * n[j - 1] + overhead
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    out, j = [], len(order)
-    while j:
-        out.append(order[cut[j]:j])
-        j = cut[j]
-    return out[::-1]
-
-
-def balanced_slices(rows, idx, budget):
-    """balanced_micro_batches in policy.micro_batches' form: slices of idx (sorted by length, so each
-    micro-batch is a run of it)."""
-    out, start = [], 0
-    for group in balanced_micro_batches(rows, idx, budget):
-        out.append(slice(start, start + len(group)))
-        start += len(group)
-    return out
-
-
 # ---- levers: one speed choice each, on or off in this process --------------------------------------
 
-LEVERS = ("micro_tokens_x4", "no_checkpointing", "compile_layers", "eager_layers")
+LEVERS = ("micro_tokens_x4", "no_checkpointing", "compile_layers", "eager_layers", "fewest_micro_batches",
+          "cheapest_micro_batches")
 
 
-def set_lever(P, policy, lever, on, compiled):
-    """Turn one of LEVERS on, or off again: back to the base, whose layers are compiled if `compiled`
-    (micro_tokens_x4 is run_passes' --micro-tokens, nothing to set here)."""
+def set_lever(P, policy, lever, on, base):
+    """Turn one of LEVERS on, or off again: back to the base, whose layers are compiled if base["compiled"]
+    and whose micro-batches cost base["cost"] (micro_tokens_x4 is run_passes' --micro-tokens, nothing to set
+    here)."""
     if lever == "no_checkpointing":
         P.set_checkpointing(policy.lm, not on)
     elif lever in ("compile_layers", "eager_layers"):
-        P.compile_layers(policy.lm, (lever == "compile_layers") if on else compiled)
+        P.compile_layers(policy.lm, (lever == "compile_layers") if on else base["compiled"])
+    elif lever == "fewest_micro_batches":  # the CPU's cut, on any device
+        P.MICRO_BATCH_COST = {} if on else base["cost"]
+    elif lever == "cheapest_micro_batches":  # CUDA's cut, on any device
+        cost = base["cost"]["cuda"]
+        P.MICRO_BATCH_COST = {"cuda": cost, "cpu": cost} if on else base["cost"]
+
 
 
 # ---- FLOPs and memory ------------------------------------------------------------------------------
@@ -261,8 +237,6 @@ def main(argv=None):
     p.add_argument("--sigma", type=float, default=1.0, help="the log-normal's sigma")
     p.add_argument("--seed", type=int, default=0, help="the lengths' and the token ids' seed")
     p.add_argument("--micro-tokens", type=int, default=16384, help="stapo.py's --micro-tokens")
-    p.add_argument("--grouping", default="project", help="comma list of: project (policy.micro_batches), "
-                   "balanced (the prototype; skipped where it groups as the project does)")
     p.add_argument("--reps", type=int, default=2, help="timed runs of each phase, after one warm-up")
     p.add_argument("--phases", default="old_pass,update,full_logits", help="comma list of the phases timed")
     p.add_argument("--peak-tflops", type=float, help="the device's peak (default: by its name; none on CPU)")
@@ -284,7 +258,7 @@ def main(argv=None):
         batches.append((kind if kind in ("equal", "lognormal") else "file", rows, idx))
     if a.padding_only:
         for name, rows, idx in batches:
-            print_padding(rows, idx, a, name, project=None)
+            print_padding(rows, idx, a, name)
         return {}
 
     import head, parallel, policy as P, stapo as S
@@ -298,8 +272,8 @@ def main(argv=None):
     try:
         if not os.path.exists(os.path.join(folder, "config.json")):
             save_random_model(folder, a.shape, device)
-        compiled = P.layers_compiled("auto", device)  # as stapo.py builds it by default
-        policy = P.build_policy(folder, mesh, device, dtype, compiled)
+        base = dict(compiled=P.layers_compiled("auto", device), cost=P.MICRO_BATCH_COST)  # as stapo.py's
+        policy = P.build_policy(folder, mesh, device, dtype, base["compiled"])
     finally:
         if not a.model_dir:
             shutil.rmtree(folder, ignore_errors=True)
@@ -310,52 +284,40 @@ def main(argv=None):
                       "dtype": str(dtype)[6:], "torch": torch.__version__,
                       "seconds": round(time.perf_counter() - t0, 1),
                       "head_chunk_rows_auto": head.chunk_rows(device, vocab),
-                      "head_compiled": head.compiled_here(device), "layers_compiled": compiled,
+                      "head_compiled": head.compiled_here(device), "layers_compiled": base["compiled"],
                       "peak_tflops": peak,
                       "samples": a.samples, "micro_tokens": a.micro_tokens}), flush=True)
-    results, project = {}, P.micro_batches
+    results = {}
     for dist_name, rows, idx in batches:
-        project_groups = [idx[part] for part in project(rows, idx, a.micro_tokens) if part]
-        print_padding(rows, idx, a, dist_name, project=project_groups)
-        for grouping in a.grouping.split(","):
-            groups = project_groups
-            if grouping == "balanced":
-                groups = balanced_micro_batches(rows, idx, a.micro_tokens)
-                if groups == project_groups and "project" in a.grouping:
-                    continue  # the same micro-batches: the same run
-            # this process only: the grouping the passes run (the project's, or the prototype patched in)
-            P.micro_batches = S.micro_batches = project if grouping == "project" else balanced_slices
-            config = run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name, grouping)
-            results[(dist_name, grouping)] = config
-            print_table(config, a, name, peak, dist_name, grouping)
-        P.micro_batches = S.micro_batches = project
+        print_padding(rows, idx, a, dist_name)
+        results[(dist_name, None)] = run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name)
+        print_table(results[(dist_name, None)], a, name, peak, dist_name)
     dist_name, rows, idx = batches[0]
     phases = ",".join(x for x in a.phases.split(",") if x != "full_logits")  # the reference is no lever's
     for combo in filter(None, a.levers.split(",")):
         levers = combo.split("+")
         b = argparse.Namespace(**{**vars(a), "phases": phases,
                                   "micro_tokens": a.micro_tokens * (4 if "micro_tokens_x4" in levers else 1)})
-        groups = [idx[part] for part in project(rows, idx, b.micro_tokens) if part]
         for lever in levers:
-            set_lever(P, policy, lever, True, compiled)
+            set_lever(P, policy, lever, True, base)
         try:
-            config = run_passes(P, S, policy, opt, rows, idx, groups, b, device, peak, dist_name, "project",
-                                lever=combo)
+            config = run_passes(P, S, policy, opt, rows, idx, b, device, peak, dist_name, lever=combo)
         finally:
             for lever in levers:
-                set_lever(P, policy, lever, False, compiled)
+                set_lever(P, policy, lever, False, base)
         results[(dist_name, combo)] = config
-        print_table(config, b, name, peak, dist_name, f"project, lever {combo}")
+        print_table(config, b, name, peak, dist_name, combo)
     return results
 
 
-def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name, grouping, lever=None):
-    """Each phase of --phases on one batch (with `lever` on, if given): one JSON line each; returns them by
-    phase."""
+def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, lever=None):
+    """Each phase of --phases on one batch (with `lever` on, if given), in the micro-batches the trainer cuts:
+    one JSON line each; returns them by phase."""
     import head
     from metrics import StepMetrics
     from stapo_core import group_advantages
     cuda = device.type == "cuda"
+    groups = [idx[part] for part in P.micro_batches(rows, idx, a.micro_tokens, device) if part]
     pad, computed = padding(rows, groups)
     prompts = [(k // 8, r[0], None) for k, r in enumerate(rows[::8])]
     sample = lambda r: types.SimpleNamespace(tokens=r[1], logprobs=None, finish_reason="stop")  # noqa: E731
@@ -384,8 +346,6 @@ def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name,
     phases = {"old_pass": (old, fwd), "update": (update, 3 * fwd), "full_logits": (full_logits, 3 * fwd)}
     old()  # the update's old log p, whichever phases run
     for phase in a.phases.split(","):
-        if phase == "full_logits" and grouping != "project":
-            continue  # the reference runs once per batch, in the project's micro-batches
         fn, flops = phases[phase]
         times, peaks, syncs, warmup = [], [], None, None
         for r in range(a.reps + 1):
@@ -410,10 +370,10 @@ def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name,
         if not times:
             continue
         if phase in a.profile.split(","):
-            profile(fn, cuda, phase, dist_name, grouping, lever)
+            profile(fn, cuda, phase, dist_name, lever)
         s = statistics.median(times)
         tflops = flops / s / 1e12
-        out = {"phase": phase, "lengths": dist_name, "grouping": grouping, "lever": lever,
+        out = {"phase": phase, "lengths": dist_name, "lever": lever,
                "seconds": round(s, 4),
                "times": [round(x, 4) for x in times], "warmup_s": round(warmup, 2),
                "tokens_per_s": round(tokens / s),
@@ -425,7 +385,7 @@ def run_passes(P, S, policy, opt, rows, idx, groups, a, device, peak, dist_name,
     return results
 
 
-def profile(fn, cuda, phase, dist_name, grouping, lever, rows=15):
+def profile(fn, cuda, phase, dist_name, lever, rows=15):
     """One more run of fn under torch.profiler: a JSON line (wall time; on CUDA the kernels' summed time, and
     its share of the wall: well under 1, the device waited on the host) and the operators with the most
     time of their own."""
@@ -441,23 +401,21 @@ def profile(fn, cuda, phase, dist_name, grouping, lever, rows=15):
         cuda_kind = torch.autograd.DeviceType.CUDA
         kernels = sum(e.self_device_time_total for e in events
                       if e.device_type == cuda_kind and not getattr(e, "is_user_annotation", False)) / 1e6
-    print(json.dumps({"phase": "profile", "of": phase, "lengths": dist_name, "grouping": grouping,
-                      "lever": lever, "wall_s": round(wall, 4),
+    print(json.dumps({"phase": "profile", "of": phase, "lengths": dist_name, "lever": lever,
+                      "wall_s": round(wall, 4),
                       "kernels_s": None if kernels is None else round(kernels, 4),
                       "device_busy": None if kernels is None else round(kernels / wall, 3)}), flush=True)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     print(events.table(sort_by=key, row_limit=rows, max_name_column_width=60), flush=True)
 
 
-def print_padding(rows, idx, a, dist_name, project):
-    """The padded fraction of each grouping at --micro-tokens (pure arithmetic). project: the groups of
-    policy.micro_batches (None: its runs, policy.runs, without the process group it needs)."""
-    if project is None:
-        from policy import runs
-        lengths = [len(rows[i][0]) + len(rows[i][1]) for i in idx]
-        project = [idx[part] for part in runs(lengths, a.micro_tokens)]
-    for label, groups in (("policy.micro_batches", project),
-                          ("balanced_micro_batches", balanced_micro_batches(rows, idx, a.micro_tokens))):
+def print_padding(rows, idx, a, dist_name):
+    """The padded fraction of each of policy.micro_batches' cuts at --micro-tokens (policy.runs, as one rank
+    cuts): the cheapest (CUDA's) and the fewest micro-batches that fit (CPU's). Pure arithmetic."""
+    from policy import MICRO_BATCH_COST, runs
+    lengths = [len(rows[i][0]) + len(rows[i][1]) for i in idx]
+    for label, cost in (("cheapest_micro_batches", MICRO_BATCH_COST["cuda"]), ("fewest_micro_batches", None)):
+        groups = [idx[part] for part in runs(lengths, a.micro_tokens, cost)]
         pad, computed = padding(rows, groups)
         print(json.dumps({"phase": "padding", "lengths": dist_name, "grouping": label,
                           "micro_tokens": a.micro_tokens, "micro_batches": len(groups),
@@ -465,8 +423,9 @@ def print_padding(rows, idx, a, dist_name, project):
                           "tokens": sum(len(x) + len(y) for x, y in rows)}), flush=True)
 
 
-def print_table(results, a, name, peak, dist_name, grouping):
-    print(f"\n{a.shape}, {a.samples} samples, lengths {dist_name}, grouping {grouping}, --micro-tokens "
+def print_table(results, a, name, peak, dist_name, lever=None):
+    print(f"\n{a.shape}, {a.samples} samples, lengths {dist_name}, {f'lever {lever}' if lever else 'base'}, "
+          f"--micro-tokens "
           f"{a.micro_tokens}, on {name}; MFU against {peak or 'no'} TFLOP/s (model FLOPs: 2N per token, the "
           "head on response tokens, causal attention, x3 to train, recomputation not counted)")
     print("| phase | s | tokens/s | TFLOP/s | MFU | peak GiB | padded |\n|---|---|---|---|---|---|---|")

@@ -584,7 +584,7 @@ def test_the_micro_batch_loops_never_wait_on_the_device(tiny, tmp_path, monkeypa
         monkeypatch.setattr(module, "micro_batches", reads.off_during(policies.micro_batches))
     record = metrics.StepMetrics(0)
     record.loss_stats = reads.off_after(record.loss_stats)  # after the loop: the statistics, norms, step
-    assert len([m for m in policies.micro_batches(rows, idx, 80) if m]) >= 3  # several micro-batches
+    assert len([m for m in policies.micro_batches(rows, idx, 80, device) if m]) >= 3  # several micro-batches
     keep = valid[idx].float()
     denom = float(keep.sum())  # stapo.py's: a number all-reduced before the loop
     with reads:
@@ -724,6 +724,38 @@ def test_bad_split_is_an_error(tiny, tmp_path):
     d, _ = tiny
     with pytest.raises(ValueError, match="--prompts-per-step 4 must split evenly into --minibatches 3"):
         stapo.train(stapo.get_args(args_for(d, tmp_path, "--minibatches", "3")))
+
+
+def test_micro_batches_are_cut_where_the_fewest_tokens_are_computed():
+    """policy.runs against every way to cut short sorted lists into runs, each within the budget (or one
+    sample alone), in order: at a cost per run (CUDA's cut), the tokens computed (each run padded to its
+    longest) plus the runs' cost are the least there is; with none (CPU's), the fewest runs, each cut as late
+    as it can be (the greedy cut every CPU figure was recorded with). A run padded to its shortest, a cut one
+    sample late or early, or the one cut in the other's place fails it."""
+    import itertools
+    import random
+    rng = random.Random(0)
+    for _ in range(400):
+        n = sorted(rng.choice([rng.randint(1, 40), rng.randint(1, 8)]) for _ in range(rng.randint(1, 9)))
+        budget, cost = rng.randint(8, 80), rng.choice([None, 0.0, 1 / 16, 0.5, 1e6])
+        scored = []
+        for cuts in itertools.product((0, 1), repeat=len(n) - 1):
+            bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [len(n)]
+            parts = list(zip(bounds, bounds[1:]))
+            if all(e - s == 1 or (e - s) * n[e - 1] <= budget for s, e in parts):
+                tokens = sum((e - s) * n[e - 1] for s, e in parts)
+                scored.append((len(parts), [-b for b in bounds], tokens + (cost or 0) * budget * len(parts)))
+        got = policies.runs(n, budget, cost)
+        assert [i for part in got for i in range(len(n))[part]] == list(range(len(n))), (n, got)
+        assert all(p.stop - p.start == 1 or (p.stop - p.start) * n[p.stop - 1] <= budget for p in got), (n, got)
+        if cost is None:  # the fewest runs, then the latest cuts
+            count, bounds, _ = min(scored)
+            assert [0] + [p.stop for p in got] == [-b for b in bounds], (n, budget, got)
+        else:
+            total = sum(len(n[p]) * n[p.stop - 1] + cost * budget for p in got)
+            assert math.isclose(total, min(x[2] for x in scored)), (n, budget, cost, got)
+    assert policies.runs([], 10) == [] == policies.runs([], 10, 0.5)
+    assert policies.runs([50, 60], 10) == [slice(0, 1), slice(1, 2)] == policies.runs([50, 60], 10, 0.5)
 
 
 def test_step_prompts_split_by_minibatch_and_cover_each_epoch_once():
