@@ -8,8 +8,9 @@
 #   2. the trainer's passes: benchmarks/train_passes.py at Qwen3-1.7B's shape, 64 samples, prompt 256,
 #      long-tailed responses (log-normal, median 1,024, 200..8,192) and equal ones of 1,024, in the
 #      micro-batches a GPU run cuts (the cheapest) and, on the long tail, the fewest that fit (CPU's cut);
-#   2b. with GPU_CHECK_LEVERS=1 (90 s more): the levers, each alone against the base on the same model
-#      (train_passes.py --levers, equal lengths): the layers eager, checkpointing off, micro-batches 4x larger;
+#   2b. with GPU_CHECK_LEVERS=1 (120 s more): the levers, each alone against the base on the same model
+#      (train_passes.py --levers, equal lengths): the layers eager, checkpointing off, micro-batches 4x larger,
+#      and checkpointing off with micro-batches 2x larger;
 #   2c. with GPU_CHECK_PROFILE=1 (120 s more): where the update's time goes (train_passes.py --profile update,
 #      equal lengths): the kernels' share of the wall time and the operators that take the most of it;
 #   3. examples/gpu_smoke.py --engine hf with the tests' tiny Qwen3 (tests/reference.toy_model, hidden 128).
@@ -46,7 +47,7 @@ else
   head_args=(--batch 8 --seq 2048 --vocab 151936)
   h1=2048 h2=4096
   passes=(--shape 1.7b --samples 64 --prompt 256 --response 1024 --micro-tokens 16384 --reps 1)
-  cap_test=150 cap_head=90 cap_passes=150 cap_levers=90 cap_profile=120 cap_smoke=180
+  cap_test=150 cap_head=90 cap_passes=150 cap_levers=120 cap_profile=120 cap_smoke=180
 fi
 
 section() { echo; echo "==== $1 ($(date +%T))"; }
@@ -83,7 +84,7 @@ timeout $cap_passes "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths lo
 
 [ -n "${GPU_CHECK_LEVERS:-}" ] && section "2b. the levers: benchmarks/train_passes.py --levers" &&
 timeout $cap_levers "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths equal --phases old_pass,update \
-  --levers eager_layers,no_checkpointing,micro_tokens_x4 \
+  --levers eager_layers,no_checkpointing,micro_tokens_x4,no_checkpointing+micro_tokens_x2 \
   --model-dir "$work/model" | tee "$work/levers.txt"
 touch "$work/levers.txt"
 

@@ -41,7 +41,7 @@ per micro-batch is the aim (tests/test_trainer.py counts the micro-batch loops' 
 Levers (--levers, a comma list; a+b applies both): after the base runs, each is turned on alone (this
 process only), the phases other than full_logits run again on the first --lengths, and it is turned off
 again, so each lever is measured against the base on the same model and batch:
-  micro_tokens_x4   4 x --micro-tokens (fewer, larger micro-batches)
+  micro_tokens_x2, micro_tokens_x4   2 or 4 x --micro-tokens (fewer, larger micro-batches)
   fewest_micro_batches    the fewest micro-batches that fit (policy.MICRO_BATCH_COST none: the CPU's cut)
   cheapest_micro_batches  the fewest tokens computed, padding and a fixed cost per micro-batch counted (the
                     CUDA's cut): against the other, whether the extra micro-batches cost more than the
@@ -139,13 +139,13 @@ def padding(rows, groups):
 
 # ---- levers: one speed choice each, on or off in this process --------------------------------------
 
-LEVERS = ("micro_tokens_x4", "no_checkpointing", "compile_layers", "eager_layers", "fewest_micro_batches",
-          "cheapest_micro_batches")
+LEVERS = ("micro_tokens_x2", "micro_tokens_x4", "no_checkpointing", "compile_layers", "eager_layers",
+          "fewest_micro_batches", "cheapest_micro_batches")
 
 
 def set_lever(P, policy, lever, on, base):
     """Turn one of LEVERS on, or off again: back to the base, whose layers are compiled if base["compiled"]
-    and whose micro-batches cost base["cost"] (micro_tokens_x4 is run_passes' --micro-tokens, nothing to set
+    and whose micro-batches cost base["cost"] (micro_tokens_xN is run_passes' --micro-tokens, nothing to set
     here)."""
     if lever == "no_checkpointing":
         P.set_checkpointing(policy.lm, not on)
@@ -296,8 +296,8 @@ def main(argv=None):
     phases = ",".join(x for x in a.phases.split(",") if x != "full_logits")  # the reference is no lever's
     for combo in filter(None, a.levers.split(",")):
         levers = combo.split("+")
-        b = argparse.Namespace(**{**vars(a), "phases": phases,
-                                  "micro_tokens": a.micro_tokens * (4 if "micro_tokens_x4" in levers else 1)})
+        times = math.prod(int(x.rsplit("_x", 1)[1]) for x in levers if x.startswith("micro_tokens_x"))
+        b = argparse.Namespace(**{**vars(a), "phases": phases, "micro_tokens": a.micro_tokens * times})
         for lever in levers:
             set_lever(P, policy, lever, True, base)
         try:
