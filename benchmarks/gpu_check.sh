@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 42's GPU check, one prepared command: about 8 minutes on one H100 or H200 (estimated from an H200's
-# sections on 2026-11-27; they are capped at 150, 90, 150 and 180 s, at most 10 minutes in all):
+# sections on 2026-11-27; they are capped at 150, 120, 150 and 180 s, at most 10 minutes in all):
 #   0. the compiled decoder layers against the eager ones, in fp32 and bf16 (inductor's GPU kernels: the test
 #      tests/test_trainer.py::test_compiled_layers_compute_what_the_eager_layers_do, run on the GPU);
 #   1. the head: benchmarks/logprobs.py at 16,384 tokens, V 151,936, bf16, hidden 2,048 (naive, the head as
-#      the trainer runs it, and its eager buffered passes) and 4,096 (naive, the head);
+#      the trainer runs it, its eager buffered passes, and TRL 1.16's fused head where trl imports) and 4,096
+#      (naive, the head);
 #   2. the trainer's passes: benchmarks/train_passes.py at Qwen3-1.7B's shape, 64 samples, prompt 256,
 #      long-tailed responses (log-normal, median 1,024, 200..8,192) and equal ones of 1,024, in the
 #      micro-batches a GPU run cuts (the cheapest) and, on the long tail, the fewest that fit (CPU's cut);
@@ -21,8 +22,8 @@
 #   GPU_CHECK_TINY=1 bash benchmarks/gpu_check.sh /tmp/gc     # on CPU: tiny shapes, end to end (~3 minutes)
 #
 # The GPU image lacks datasets, dill and multiprocess (problems.py reads a .parquet or Hub dataset through
-# datasets; the check's .jsonl runs do not): carry them as wheels in .whl (see docs/performance.md) for such
-# runs; the script installs whatever .whl holds into /tmp/site first.
+# datasets; the check's .jsonl runs do not) and trl (section 1's TRL row): carry them as wheels in .whl (see
+# docs/performance.md); the script installs whatever .whl holds into /tmp/site first.
 set -u
 out=${1:?usage: bash benchmarks/gpu_check.sh FOLDER}
 mkdir -p "$out"
@@ -47,7 +48,7 @@ else
   head_args=(--batch 8 --seq 2048 --vocab 151936)
   h1=2048 h2=4096
   passes=(--shape 1.7b --samples 64 --prompt 256 --response 1024 --micro-tokens 16384 --reps 1)
-  cap_test=150 cap_head=90 cap_passes=150 cap_levers=120 cap_profile=120 cap_smoke=180
+  cap_test=150 cap_head=120 cap_passes=150 cap_levers=120 cap_profile=120 cap_smoke=180
 fi
 
 section() { echo; echo "==== $1 ($(date +%T))"; }
@@ -57,7 +58,7 @@ nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name() if torch.cuda.is_available() else "")
-for name in ("transformers", "triton", "datasets", "dill", "multiprocess"):
+for name in ("transformers", "triton", "datasets", "dill", "multiprocess", "trl"):
     try:
         print(name, importlib.import_module(name).__version__)
     except Exception as e:
@@ -72,7 +73,9 @@ timeout $cap_test "$PY" -m pytest -q -s -p no:cacheprovider tests/test_trainer.p
 
 section "1. the head: benchmarks/logprobs.py"
 t0=$SECONDS
-timeout $cap_head "$PY" benchmarks/logprobs.py "${head_args[@]}" --hidden $h1 --variants naive,chunked,eager \
+rows=naive,chunked,eager
+"$PY" -c "import trl.kernels.chunked_logprob" 2>/dev/null && rows=$rows,trl
+timeout $cap_head "$PY" benchmarks/logprobs.py "${head_args[@]}" --hidden $h1 --variants $rows \
   | tee "$work/head1.txt"
 left=$((cap_head - (SECONDS - t0)))
 [ $left -gt 20 ] && timeout $left "$PY" benchmarks/logprobs.py "${head_args[@]}" --hidden $h2 \
@@ -113,7 +116,7 @@ done >"$out/smoke_logs.txt"
 
 section "summary"
 grep -h "compiled layers (\|bf16: gap\| passed\| failed" "$work/test.txt"
-grep -h "tokens, vocab\|/naive:" "$work"/head*.txt
+grep -h "tokens, vocab\|/naive:\|/trl:" "$work"/head*.txt
 grep -h "^| \(phase\|old_pass\|update\|full_logits\) \|^update / \|samples, lengths .* --micro-tokens" \
   "$work/passes.txt" "$work/levers.txt"
 grep -h '"phase": "padding"' "$work/passes.txt" | cut -c1-200

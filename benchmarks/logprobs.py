@@ -3,12 +3,15 @@
     python benchmarks/logprobs.py                    # CPU: fp32, 4 x 1024 tokens, vocab 151,936, hidden 1024
     python benchmarks/logprobs.py --hidden 4096      # GPU (auto-detected): bf16, Qwen3-8B's hidden size
     python benchmarks/logprobs.py --batch 8 --seq 2048 --hidden 2048 --variants naive,chunked,eager,chunk128
+    python benchmarks/logprobs.py --batch 8 --seq 2048 --hidden 2048 --variants naive,chunked,trl
 
 The chunked head runs as the trainer runs it: rows per chunk chosen by the head for the device and vocabulary
 (head.chunk_rows: 128 on CPU; --chunk N to force), its per-chunk math compiled on CUDA (head.COMPILE). Rows
 (--variants): naive; chunked (the head's defaults); eager (the head with STAPO_HEAD_COMPILE=0: its buffered
-passes); chunk128 (the head at 128 rows, compiled where the head compiles). The timed pass follows one warm-up
-pass, which also compiles.
+passes); chunk128 (the head at 128 rows, compiled where the head compiles); trl (TRL 1.16's fused LM
+head, trl.kernels.ChunkedLogProbFunction, as its GRPOTrainer calls it: tiles of 4,096 tokens by 32,768
+vocabulary entries, a Triton kernel on CUDA and torch ops elsewhere, log p and the entropy; it needs only the
+trl package, none of TRL's other dependencies). The timed pass follows one warm-up pass, which also compiles.
 
 Each method runs in its own child process, so one cannot hide the other's peak. On CPU the peak is the
 resident set's high-water mark (VmHWM, reset before the timed pass); on GPU, max_memory_allocated. Memory
@@ -23,7 +26,16 @@ import head  # noqa: E402
 from head import token_logprobs_and_entropy  # noqa: E402
 
 
-VARIANTS = ["naive", "chunked", "eager", "chunk128"]
+VARIANTS = ["naive", "chunked", "eager", "chunk128", "trl"]
+TRL_VOCAB_CHUNK = 32768  # TRL 1.16's GRPOTrainer: trl/trainer/utils.py, _CHUNKED_LOGPROB_CHUNK_SIZE
+
+
+def trl_head(hidden, weight, tokens, temperature):
+    """TRL 1.16's fused LM head, as its GRPOTrainer calls it (no bias, no softcapping): log p and H."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    logp, entropy, *_ = ChunkedLogProbFunction.apply(hidden, weight, None, tokens, temperature,
+                                                     TRL_VOCAB_CHUNK, None, 1.0, ("entropy",))
+    return logp, entropy
 
 
 def naive(hidden, weight, tokens, temperature):
@@ -62,8 +74,8 @@ def run_one(a):
     tokens = torch.randint(a.vocab, (m,), device=dev)
     coef = torch.randn(m, device=dev)
     chunk = 128 if a.method == "chunk128" else a.chunk  # None: the head's choice
-    fn = naive if a.method == "naive" else (
-        lambda *x: token_logprobs_and_entropy(*x, chunk_size=chunk))
+    ours = lambda *x: token_logprobs_and_entropy(*x, chunk_size=chunk)  # noqa: E731
+    fn = {"naive": naive, "trl": trl_head}.get(a.method, ours)
     for it in range(2):  # the first pass warms up; the second is timed and its peak measured
         hidden.grad = weight.grad = None
         base = reset_peak(dev)
@@ -73,10 +85,11 @@ def run_one(a):
         if dev == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+    mine = a.method not in ("naive", "trl")
     print(json.dumps({"seconds": seconds, "peak_gb": (peak_bytes(dev) - base) / 2**30, "device": dev,
                       "dtype": str(dtype).replace("torch.", ""),
-                      "chunk": chunk or head.chunk_rows(dev, a.vocab),
-                      "compiled": head.compiled_here(dev) and a.method != "naive",
+                      "chunk": (chunk or head.chunk_rows(dev, a.vocab)) if mine else "-",
+                      "compiled": head.compiled_here(dev) and mine,
                       "name": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}))
 
 
@@ -87,7 +100,7 @@ def main():
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen3's)")
     p.add_argument("--hidden", type=int, default=1024, help="hidden size")
     p.add_argument("--chunk", type=int, help="the chunked head's rows per chunk (default: the head's choice)")
-    p.add_argument("--variants", default="naive,chunked", help="rows: naive, chunked, eager, chunk128")
+    p.add_argument("--variants", default="naive,chunked", help="rows: naive, chunked, eager, chunk128, trl")
     p.add_argument("--method", choices=VARIANTS, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.method:
@@ -104,8 +117,8 @@ def main():
     print("| method | rows per chunk | compiled | time (s) | peak memory above inputs (GiB) |")
     print("|---|---|---|---|---|")
     for k in variants:
-        rows = "-" if k == "naive" else res[k]["chunk"]
-        compiled = "-" if k == "naive" else res[k]["compiled"]
+        rows = res[k]["chunk"]
+        compiled = "-" if k in ("naive", "trl") else res[k]["compiled"]
         print(f"| {k} | {rows} | {compiled} | {res[k]['seconds']:.3f} | {res[k]['peak_gb']:.2f} |")
     if "naive" in res:
         n = res["naive"]
@@ -113,6 +126,10 @@ def main():
             c = res[k]
             print(f"{k}/naive: time {c['seconds'] / n['seconds']:.2f}x, "
                   f"memory {c['peak_gb'] / n['peak_gb']:.3f}x (chunk {c['chunk']})")
+    if "chunked" in res and "trl" in res:
+        c, t = res["chunked"], res["trl"]
+        print(f"chunked/trl: time {c['seconds'] / t['seconds']:.2f}x, "
+              f"memory {c['peak_gb'] / t['peak_gb']:.3f}x")
 
 
 if __name__ == "__main__":

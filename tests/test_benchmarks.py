@@ -137,12 +137,37 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     assert "MFU against no TFLOP/s (model FLOPs: 2N per token" in r.stdout
 
 
+def test_logprobs_trl_row_computes_what_the_head_computes():
+    """benchmarks/logprobs.py's trl row is a like-for-like rival: TRL 1.16's fused head, called as the script
+    calls it, gives the project's head's log p, entropy and both gradients (fp32 on CPU, a vocabulary of
+    three of TRL's 32,768-entry tiles). A temperature, tile size or output passed wrong fails it."""
+    pytest.importorskip("trl.kernels.chunked_logprob")
+    import torch
+    from head import token_logprobs_and_entropy
+    spec = importlib.util.spec_from_file_location("logprobs", os.path.join(ROOT, "benchmarks", "logprobs.py"))
+    lp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lp)
+    torch.manual_seed(0)
+    vocab = 2 * lp.TRL_VOCAB_CHUNK + 1000
+    hidden, weight = torch.randn(96, 32), torch.randn(vocab, 32) * 32 ** -0.5
+    tokens, coef = torch.randint(vocab, (96,)), torch.randn(96)
+    got = []
+    for fn in (lp.trl_head, token_logprobs_and_entropy):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp, entropy = fn(h, w, tokens, 0.7)
+        (logp * coef).sum().backward()
+        got.append((logp.detach(), entropy.detach(), h.grad, w.grad))
+    for name, a, b in zip(("logp", "entropy", "hidden grad", "weight grad"), *got):
+        assert (a - b).norm() <= 1e-5 * b.norm(), name
+
+
 @pytest.mark.slow
 def test_logprobs_reports_the_chunk_the_head_chose():
     script = os.path.join(ROOT, "benchmarks", "logprobs.py")
     r = subprocess.run([sys.executable, script, "--batch", "2", "--seq", "64", "--vocab", "3000", "--hidden",
-                        "32", "--variants", "naive,chunked,eager"],
+                        "32", "--variants", "naive,chunked,eager,trl"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| chunked | 128 | False |" in r.stdout and "| eager | 128 | False |" in r.stdout, r.stdout
     assert "chunked/naive: time" in r.stdout and "(chunk 128)" in r.stdout
+    assert "| trl | - | - |" in r.stdout and "chunked/trl: time" in r.stdout
