@@ -52,8 +52,9 @@ again, so each lever is measured against the base on the same model and batch:
   eager_layers      each decoder layer eager (the base's choice on CPU)
 Profile (--profile, a comma list of phases): after a phase's timed runs, one more run of it under
 torch.profiler: one JSON line (its wall time; on CUDA, the kernels' summed time and its share of the wall,
-which says whether the device waited on the host) and the profiler's table of the operators with the most
-time of their own (device time on CUDA, CPU time on CPU), for the base and for each lever.
+which says whether the device waited on the host; that time by kind: attention, matmul, compiled (Triton),
+optimizer, collectives, copies, other) and the profiler's table of the operators with the most time of their
+own (device time on CUDA, CPU time on CPU), for the base and for each lever.
 Every phase prints one JSON line; a table and the ratios (of this one run) close the output.
 """
 import argparse, dataclasses, json, math, os, shutil, statistics, sys, tempfile, time, types, warnings
@@ -385,10 +386,21 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, lever=N
     return results
 
 
+KINDS = (  # the profile's kinds of time, by the kernel's or operator's name (the first that matches)
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("compiled", ("triton", "compiledfunction", "inductor")),
+    ("optimizer", ("adam",)),
+    ("collectives", ("nccl", "all_gather", "reduce_scatter", "allreduce", "all_reduce")),
+    ("copies", ("memcpy", "memset", "copy", "cat", "fill", "zero")),
+)
+
+
 def profile(fn, cuda, phase, dist_name, lever, rows=15):
     """One more run of fn under torch.profiler: a JSON line (wall time; on CUDA the kernels' summed time, and
-    its share of the wall: well under 1, the device waited on the host) and the operators with the most
-    time of their own."""
+    its share of the wall: well under 1, the device waited on the host; that time by kind of kernel, KINDS,
+    the rest "other") and the operators with the most time of their own. On CPU the kinds sum the
+    operators' own CPU time."""
     from torch.profiler import ProfilerActivity, profile as profiler
     with profiler(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t = time.perf_counter()
@@ -397,14 +409,21 @@ def profile(fn, cuda, phase, dist_name, lever, rows=15):
             torch.cuda.synchronize()
         wall = time.perf_counter() - t
     events, kernels = prof.key_averages(), None
+    own = [(e.key, e.self_cpu_time_total) for e in events]  # each operator's own time
     if cuda:  # the kernels' own time, as the table's "Self CUDA time total" sums it
-        cuda_kind = torch.autograd.DeviceType.CUDA
-        kernels = sum(e.self_device_time_total for e in events
-                      if e.device_type == cuda_kind and not getattr(e, "is_user_annotation", False)) / 1e6
+        gpu = torch.autograd.DeviceType.CUDA
+        own = [(e.key, e.self_device_time_total) for e in events
+               if e.device_type == gpu and not getattr(e, "is_user_annotation", False)]
+        kernels = sum(t for _, t in own) / 1e6
+    kinds = dict.fromkeys([k for k, _ in KINDS] + ["other"], 0.0)
+    for name, t in own:
+        kind = next((k for k, words in KINDS if any(w in name.lower() for w in words)), "other")
+        kinds[kind] += t / 1e6
     print(json.dumps({"phase": "profile", "of": phase, "lengths": dist_name, "lever": lever,
                       "wall_s": round(wall, 4),
                       "kernels_s": None if kernels is None else round(kernels, 4),
-                      "device_busy": None if kernels is None else round(kernels / wall, 3)}), flush=True)
+                      "device_busy": None if kernels is None else round(kernels / wall, 3),
+                      "by_kind_s": {k: round(v, 4) for k, v in kinds.items()}}), flush=True)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     print(events.table(sort_by=key, row_limit=rows, max_name_column_width=60), flush=True)
 

@@ -91,6 +91,7 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     full-logits update), two length distributions, three levers (on the first lengths), every update
     profiled: every phase's line has every field, the table and the ratios are printed; a lever reaches the
     trainer's passes. About 30 s here."""
+    tp = _load()
     lengths = [4, 4, 4, 18, 18, 40, 41, 42]  # sequences of 10, 10, 10, 24, 24, 46, 47, 48
     (tmp_path / "lengths.txt").write_text("\n".join(map(str, lengths)))
     script = os.path.join(ROOT, "benchmarks", "train_passes.py")
@@ -133,6 +134,9 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
         ("update", "micro_tokens_x4"), ("update", "no_checkpointing+micro_tokens_x2"),
         ("update", "cheapest_micro_batches")]
     assert all(x["wall_s"] > 0 and x["kernels_s"] is None and x["device_busy"] is None for x in profiles)
+    for x in profiles:  # the time by kind: here the operators' own CPU time, mostly the head's and layers' mm
+        assert list(x["by_kind_s"]) == [k for k, _ in tp.KINDS] + ["other"] and x["by_kind_s"]["matmul"] > 0
+        assert 0 < sum(x["by_kind_s"].values()) <= 2 * x["wall_s"], x
     assert r.stdout.count("Self CPU time total") == 5 and "aten::mm" in r.stdout  # the profiler's tables
     assert "MFU against no TFLOP/s (model FLOPs: 2N per token" in r.stdout
 
