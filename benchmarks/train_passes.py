@@ -159,7 +159,6 @@ def set_lever(P, policy, lever, on, base):
         P.MICRO_BATCH_COST = {"cuda": cost, "cpu": cost} if on else base["cost"]
 
 
-
 # ---- FLOPs and memory ------------------------------------------------------------------------------
 
 def forward_flops(cfg, rows):
@@ -443,9 +442,9 @@ def print_padding(rows, idx, a, dist_name):
 
 
 def print_table(results, a, name, peak, dist_name, lever=None):
-    print(f"\n{a.shape}, {a.samples} samples, lengths {dist_name}, {f'lever {lever}' if lever else 'base'}, "
-          f"--micro-tokens "
-          f"{a.micro_tokens}, on {name}; MFU against {peak or 'no'} TFLOP/s (model FLOPs: 2N per token, the "
+    which = f"lever {lever}" if lever else "base"
+    print(f"\n{a.shape}, {a.samples} samples, lengths {dist_name}, {which}, --micro-tokens {a.micro_tokens}, "
+          f"on {name}; MFU against {peak or 'no'} TFLOP/s (model FLOPs: 2N per token, the "
           "head on response tokens, causal attention, x3 to train, recomputation not counted)")
     print("| phase | s | tokens/s | TFLOP/s | MFU | peak GiB | padded |\n|---|---|---|---|---|---|---|")
     for phase, r in results.items():

@@ -98,8 +98,8 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     r = subprocess.run([sys.executable, script, "--shape", "tiny", "--samples", "8", "--prompt", "6",
                         "--response", "12", "--lengths", f"{tmp_path / 'lengths.txt'},equal",
                         "--micro-tokens", "96", "--reps", "1", "--levers",
-                        "micro_tokens_x4,no_checkpointing+micro_tokens_x2,cheapest_micro_batches", "--profile",
-                        "update"],
+                        "micro_tokens_x4,no_checkpointing+micro_tokens_x2,cheapest_micro_batches",
+                        "--profile", "update"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
@@ -110,8 +110,8 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     phases = {(x["lengths"], x["phase"]): x for x in lines[1:] if "seconds" in x and not x["lever"]}
     levers = {(x["lever"], x["phase"]): x for x in lines[1:] if x.get("lever") and "seconds" in x}
     combos = ("micro_tokens_x4", "no_checkpointing+micro_tokens_x2", "cheapest_micro_batches")
-    assert set(levers) == {(lever, p) for lever in combos for p in ("old_pass", "update")}  # the policy's alone
-    base = phases["file", "update"]  # CPU's cut: the fewest micro-batches that fit 96 tokens, 3 (192: 2; 384: 1)
+    assert set(levers) == {(lever, p) for lever in combos for p in ("old_pass", "update")}  # no full_logits
+    base = phases["file", "update"]  # CPU's cut, the fewest that fit 96 tokens: 3 (192: 2; 384: 1)
     assert (levers["micro_tokens_x4", "update"]["micro_batches"], levers["no_checkpointing+micro_tokens_x2",
             "update"]["micro_batches"], base["micro_batches"]) == (1, 2, 3)
     cheapest = levers["cheapest_micro_batches", "update"]  # CUDA's cut, here: 4, and less padding
