@@ -10,10 +10,11 @@
 #      long-tailed responses (log-normal, median 1,024, 200..8,192) and equal ones of 1,024, in the
 #      micro-batches a GPU run cuts (the cheapest) and, on the long tail, the fewest that fit (CPU's cut);
 #   2b. with GPU_CHECK_LEVERS=1 (120 s more): the levers, each alone against the base on the same model
-#      (train_passes.py --levers, equal lengths): the layers eager, checkpointing off, micro-batches 4x larger,
-#      and checkpointing off with micro-batches 2x larger;
+#      (train_passes.py --levers, equal lengths): the layers eager, checkpointing off, micro-batches 4x
+#      larger, and checkpointing off with micro-batches 2x larger;
 #   2c. with GPU_CHECK_PROFILE=1 (120 s more): where the update's time goes (train_passes.py --profile update,
-#      equal lengths): the kernels' share of the wall time and the operators that take the most of it;
+#      equal lengths): the kernels' share of the wall time, by kind, and the operators that take the most of
+#      it; and, where TRL imports, TRL 1.16's own update on the same model and rows (phase trl_update);
 #   3. examples/gpu_smoke.py --engine hf with the tests' tiny Qwen3 (tests/reference.toy_model, hidden 128).
 # It prints each section's table, then a summary, and writes everything to FOLDER/gpu_check.log (with the
 # smoke test's command logs in FOLDER/smoke_logs.txt).
@@ -22,8 +23,9 @@
 #   GPU_CHECK_TINY=1 bash benchmarks/gpu_check.sh /tmp/gc     # on CPU: tiny shapes, end to end (~3 minutes)
 #
 # The GPU image lacks datasets, dill and multiprocess (problems.py reads a .parquet or Hub dataset through
-# datasets; the check's .jsonl runs do not) and trl (section 1's TRL row): carry them as wheels in .whl (see
-# docs/performance.md); the script installs whatever .whl holds into /tmp/site first.
+# datasets; the check's .jsonl runs do not), trl (section 1's TRL row) and accelerate, psutil and jinja2 (with
+# trl, section 2c's TRL update): carry them as wheels in .whl (see docs/performance.md); the script installs
+# whatever .whl holds into /tmp/site first.
 set -u
 out=${1:?usage: bash benchmarks/gpu_check.sh FOLDER}
 mkdir -p "$out"
@@ -58,7 +60,7 @@ nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
 import importlib, torch
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name() if torch.cuda.is_available() else "")
-for name in ("transformers", "triton", "datasets", "dill", "multiprocess", "trl"):
+for name in ("transformers", "triton", "datasets", "dill", "multiprocess", "trl", "accelerate"):
     try:
         print(name, importlib.import_module(name).__version__)
     except Exception as e:
@@ -73,9 +75,9 @@ timeout $cap_test "$PY" -m pytest -q -s -p no:cacheprovider tests/test_trainer.p
 
 section "1. the head: benchmarks/logprobs.py"
 t0=$SECONDS
-rows=naive,chunked,eager
-"$PY" -c "import trl.kernels.chunked_logprob" 2>/dev/null && rows=$rows,trl
-timeout $cap_head "$PY" benchmarks/logprobs.py "${head_args[@]}" --hidden $h1 --variants $rows \
+variants=naive,chunked,eager
+"$PY" -c "import trl.kernels.chunked_logprob" 2>/dev/null && variants=$variants,trl
+timeout $cap_head "$PY" benchmarks/logprobs.py "${head_args[@]}" --hidden $h1 --variants $variants \
   | tee "$work/head1.txt"
 left=$((cap_head - (SECONDS - t0)))
 [ $left -gt 20 ] && timeout $left "$PY" benchmarks/logprobs.py "${head_args[@]}" --hidden $h2 \
@@ -91,8 +93,10 @@ timeout $cap_levers "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths eq
   --model-dir "$work/model" | tee "$work/levers.txt"
 touch "$work/levers.txt"
 
+trl=
+"$PY" -c "from trl import GRPOTrainer" >/dev/null 2>&1 && trl=,trl_update
 [ -n "${GPU_CHECK_PROFILE:-}" ] && section "2c. where the update's time goes: train_passes.py --profile" &&
-timeout $cap_profile "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths equal --phases update \
+timeout $cap_profile "$PY" benchmarks/train_passes.py "${passes[@]}" --lengths equal --phases update$trl \
   --profile update --model-dir "$work/model" | tee "$work/profile.txt"
 touch "$work/profile.txt"
 
@@ -117,10 +121,11 @@ done >"$out/smoke_logs.txt"
 section "summary"
 grep -h "compiled layers (\|bf16: gap\| passed\| failed" "$work/test.txt"
 grep -h "tokens, vocab\|/naive:\|/trl:" "$work"/head*.txt
-grep -h "^| \(phase\|old_pass\|update\|full_logits\) \|^update / \|samples, lengths .* --micro-tokens" \
-  "$work/passes.txt" "$work/levers.txt"
+table="^| \(phase\|old_pass\|update\|full_logits\|trl_update\) "
+grep -h "$table\|^update / \|samples, lengths .* --micro-tokens" "$work/passes.txt" "$work/levers.txt" \
+  "$work/profile.txt"
 grep -h '"phase": "padding"' "$work/passes.txt" | cut -c1-200
-grep -h '"phase": "profile"' "$work/profile.txt"
+grep -h '"phase": "profile"\|"phase": "trl_update"' "$work/profile.txt"
 grep -h "^smoke:\|^PASS\|^FAIL" "$work/smoke.txt"
 echo "log: $log"
 rm -rf "$work"

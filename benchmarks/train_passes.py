@@ -5,6 +5,7 @@ and the padding of the micro-batches, on one device.
     python benchmarks/train_passes.py --shape 1.7b --lengths lognormal --levers fewest_micro_batches
     python benchmarks/train_passes.py --lengths lognormal --padding-only        # the padding alone, no model
     python benchmarks/train_passes.py --shape 1.7b --phases update --reps 1 --profile update  # where it goes
+    python benchmarks/train_passes.py --shape 1.7b --phases update,trl_update          # against TRL's update
     python benchmarks/train_passes.py --shape tiny --samples 16 --prompt 16 --response 48       # CPU, seconds
 
 The model is a random Qwen3 of the shape (tiny: 2 layers of 64 for the tests; 0.6b, 1.7b, 4b tied; 8b untied;
@@ -19,8 +20,16 @@ printed as warmup_s):
   update         stapo.update: every micro-batch's forward and backward, the loss, the clip, AdamW's step
   full_logits    the same update, the same model, batch and loss, with the policy's head replaced by full
                  logits: h @ W.T (compute dtype) -> fp32 log_softmax -> gather (no entropy): the reference
-                 update of a trainer without a fused head (TRL keeps the logits in bf16 instead; its own
-                 GRPOTrainer loss path is not run here: TRL is not on the GPU image)
+                 update of a trainer without a fused head
+  trl_update     (asked for by name; equal lengths only) TRL 1.16's own loss path on the same checkpoint and
+                 rows: its GRPOTrainer as its user runs it by default (fp32 weights, bf16 autocast on CUDA,
+                 gradient checkpointing, eager layers, its fused LM head, transformers' AdamW), loss_type
+                 dapo with clip-higher 0.2/0.28 and beta 0 (STAPO's loss without S2T), its compute_loss and
+                 the accelerator's backward on micro-batches of as many samples as the longest fits in
+                 --micro-tokens (its batch size counts samples), in their order, prompts left-padded and
+                 completions right-padded, then the clip and the optimizer's step; never its generation.
+                 Its peak is above what this script's own policy held before TRL's trainer was built.
+                 Needs trl (and accelerate) importable
 Lengths (--lengths, a comma list, one model built for all): equal (every prompt --prompt, every response
 --response tokens); lognormal (responses log-normal, median --response, sigma --sigma, clipped to 200..8,192,
 seeded by --seed); or a file (one response length a line, or JSON lines with a response_len, length or tokens
@@ -225,6 +234,75 @@ def full_logits_head(hidden, weight, tokens, temperature, chunk_size=None, colli
     return logp[:, 0].clone(), torch.zeros(len(logp), device=logp.device), zeros  # no views: FSDP2 warns
 
 
+# ---- TRL's own update (trl_update) -------------------------------------------------------------------
+
+_TRL = {}  # folder -> TRL's GRPOTrainer on it, built once
+
+
+def held_gib(cuda):
+    """What this process holds now: allocated on CUDA, the resident set on CPU (GiB)."""
+    if cuda:
+        return torch.cuda.memory_allocated() / 2**30
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 2**20
+
+
+def trl_trainer(folder, cuda):
+    """TRL 1.16's GRPOTrainer on folder's checkpoint, as its user runs it by default (see trl_update in the
+    docstring): built once, its optimizer created and gradient checkpointing on, as its train() would."""
+    if folder not in _TRL:
+        from datasets import Dataset
+        from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
+        from trl import GRPOConfig, GRPOTrainer
+        words = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1}, unk_token="<pad>"))  # never tokenizes
+        tok = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>")
+        config = GRPOConfig(output_dir=os.path.join(folder, "trl"), per_device_train_batch_size=8,
+                            num_generations=8, loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=0.28,
+                            learning_rate=1e-6, weight_decay=0.1, max_grad_norm=1.0, bf16=cuda,
+                            use_cpu=not cuda, gradient_checkpointing=True, report_to="none",
+                            save_strategy="no", disable_tqdm=True)
+        reward = lambda completions, **_: [0.0] * len(completions)  # noqa: E731 (never called)
+        data = Dataset.from_list([{"prompt": "x"}] * 8)  # nor is it: no generation runs
+        trainer = GRPOTrainer(model=folder, reward_funcs=reward, args=config, train_dataset=data,
+                              processing_class=tok)
+        trainer.create_optimizer()
+        trainer.model.gradient_checkpointing_enable(config.gradient_checkpointing_kwargs)
+        trainer.model.train()
+        _TRL[folder] = trainer
+    return _TRL[folder]
+
+
+def trl_padding(rows, parts):
+    """(padded fraction, tokens computed) of TRL's micro-batches: prompts left-padded to the longest prompt,
+    completions right-padded to the longest completion, each apart."""
+    real = sum(len(p) + len(c) for p, c in rows)
+    computed = sum(len(part) * (max(len(rows[i][0]) for i in part) + max(len(rows[i][1]) for i in part))
+                   for part in parts)
+    return 1 - real / computed, computed
+
+
+def trl_update(trainer, rows, adv, parts):
+    """One optimizer step of TRL's own loss path over rows, a micro-batch per part: compute_loss and the
+    accelerator's backward each, then the clip and the step, as its training loop runs them."""
+    model, acc, pad = trainer.model, trainer.accelerator, trainer.processing_class.pad_token_id
+    trainer.current_gradient_accumulation_steps = len(parts)  # what its loop sets
+    items = torch.tensor(float(sum(len(c) for _, c in rows)), device=acc.device)  # dapo: the batch's tokens
+    for part in parts:
+        prompts, completions = [rows[i][0] for i in part], [rows[i][1] for i in part]
+        P, C = max(map(len, prompts)), max(map(len, completions))
+        tensor = lambda x: torch.tensor(x, device=acc.device)  # noqa: E731
+        inputs = dict(prompt_ids=tensor([[pad] * (P - len(p)) + p for p in prompts]),
+                      prompt_mask=tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts]),
+                      completion_ids=tensor([c + [pad] * (C - len(c)) for c in completions]),
+                      completion_mask=tensor([[1] * len(c) + [0] * (C - len(c)) for c in completions]),
+                      advantages=adv[part].to(acc.device), num_items_in_batch=items)
+        acc.backward(trainer.compute_loss(model, inputs))
+    acc.clip_grad_norm_(model.parameters(), trainer.args.max_grad_norm)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
 # ---- the run ---------------------------------------------------------------------------------------
 
 def main(argv=None):
@@ -260,7 +338,18 @@ def main(argv=None):
         for name, rows, idx in batches:
             print_padding(rows, idx, a, name)
         return {}
+    folder = a.model_dir or tempfile.mkdtemp(prefix="train_passes_")
+    try:
+        return run_all(a, batches, folder)
+    finally:
+        if not a.model_dir:
+            shutil.rmtree(folder, ignore_errors=True)
 
+
+def run_all(a, batches, folder):
+    """Build the policy from a random checkpoint of --shape in folder, then every phase on every batch, then
+    the levers on the first: returns each phase's line by (lengths, lever)."""
+    vocab = SHAPES[a.shape]["vocab_size"]
     import head, parallel, policy as P, stapo as S
     rank, world, device, mesh = parallel.init_distributed()
     cuda = device.type == "cuda"
@@ -268,15 +357,11 @@ def main(argv=None):
     peak = a.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.perf_counter()
-    folder = a.model_dir or tempfile.mkdtemp(prefix="train_passes_")
-    try:
-        if not os.path.exists(os.path.join(folder, "config.json")):
-            save_random_model(folder, a.shape, device)
-        base = dict(compiled=P.layers_compiled("auto", device), cost=P.MICRO_BATCH_COST)  # as stapo.py's
-        policy = P.build_policy(folder, mesh, device, dtype, base["compiled"])
-    finally:
-        if not a.model_dir:
-            shutil.rmtree(folder, ignore_errors=True)
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        save_random_model(folder, a.shape, device)
+    base = dict(compiled=P.layers_compiled("auto", device), cost=P.MICRO_BATCH_COST)  # as stapo.py's
+    policy = P.build_policy(folder, mesh, device, dtype, base["compiled"])
+    a.folder = folder  # for trl_update
     fused = dict(fused=True) if cuda else dict(foreach=True)  # as stapo.py builds it
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.1, **fused)
     params = sum(t.numel() for t in policy.parameters())
@@ -293,7 +378,7 @@ def main(argv=None):
         results[(dist_name, None)] = run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name)
         print_table(results[(dist_name, None)], a, name, peak, dist_name)
     dist_name, rows, idx = batches[0]
-    phases = ",".join(x for x in a.phases.split(",") if x != "full_logits")  # the reference is no lever's
+    phases = ",".join(x for x in a.phases.split(",") if x not in ("full_logits", "trl_update"))  # no lever's
     for combo in filter(None, a.levers.split(",")):
         levers = combo.split("+")
         times = math.prod(int(x.rsplit("_x", 1)[1]) for x in levers if x.startswith("micro_tokens_x"))
@@ -318,7 +403,7 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, lever=N
     from stapo_core import group_advantages
     cuda = device.type == "cuda"
     groups = [idx[part] for part in P.micro_batches(rows, idx, a.micro_tokens, device) if part]
-    pad, computed = padding(rows, groups)
+    pad_ours, computed_ours = padding(rows, groups)
     prompts = [(k // 8, r[0], None) for k, r in enumerate(rows[::8])]
     sample = lambda r: types.SimpleNamespace(tokens=r[1], logprobs=None, finish_reason="stop")  # noqa: E731
     samples = [[sample(r) for r in rows[k:k + 8]] for k in range(0, len(rows), 8)]
@@ -343,10 +428,22 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, lever=N
         finally:
             P.ChunkedHead = head.ChunkedHead
 
-    phases = {"old_pass": (old, fwd), "update": (update, 3 * fwd), "full_logits": (full_logits, 3 * fwd)}
+    per = max(1, a.micro_tokens // max(len(x) + len(y) for x, y in rows))  # TRL's samples per micro-batch
+    trl_parts = [list(range(i, min(i + per, len(rows)))) for i in range(0, len(rows), per)]
+    cut = {"trl_update": (*trl_padding(rows, trl_parts), len(trl_parts))}  # else (padded, computed, count)
+
+    def trl():
+        trainer = trl_trainer(a.folder, cuda)
+        trl_update(trainer, rows, batch.adv, trl_parts)
+
+    phases = {"old_pass": (old, fwd), "update": (update, 3 * fwd), "full_logits": (full_logits, 3 * fwd),
+              "trl_update": (trl, 3 * fwd)}
     old()  # the update's old log p, whichever phases run
     for phase in a.phases.split(","):
+        if phase == "trl_update" and dist_name != "equal":
+            continue  # TRL's micro-batches count samples: sized for the longest, a long tail runs one by one
         fn, flops = phases[phase]
+        held = held_gib(cuda) if phase == "trl_update" and a.folder not in _TRL else 0.0  # this script's own
         times, peaks, syncs, warmup = [], [], None, None
         for r in range(a.reps + 1):
             reset_peak(cuda)
@@ -357,11 +454,17 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, lever=N
                 print(json.dumps({"phase": phase, "error": "OOM", "detail": str(e)[:200]}), flush=True)
                 torch.cuda.empty_cache()
                 break
+            except Exception as e:  # TRL missing or changed: its line says so, the rest still prints
+                if phase != "trl_update":
+                    raise
+                print(json.dumps({"phase": phase, "error": type(e).__name__, "detail": str(e)[:300]}),
+                      flush=True)
+                break
             if cuda:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t
             inner = list(getattr(record, "peaks", {}).values())  # the trainer's own marks reset the peak
-            peaks.append(max([peak_gib(cuda)] + inner))
+            peaks.append(max([peak_gib(cuda)] + inner) - held)
             if r:  # the first is the warm-up (compiles, allocator growth)
                 times.append(seconds)
                 syncs = counted
@@ -373,12 +476,13 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, lever=N
             profile(fn, cuda, phase, dist_name, lever)
         s = statistics.median(times)
         tflops = flops / s / 1e12
+        pad, computed, count = cut.get(phase, (pad_ours, computed_ours, len(groups)))
         out = {"phase": phase, "lengths": dist_name, "lever": lever,
                "seconds": round(s, 4),
                "times": [round(x, 4) for x in times], "warmup_s": round(warmup, 2),
                "tokens_per_s": round(tokens / s),
                "tflops": round(tflops, 2), "mfu": round(tflops / peak, 4) if peak else None,
-               "peak_gib": round(max(peaks), 3), "padded_frac": round(pad, 4), "micro_batches": len(groups),
+               "peak_gib": round(max(peaks), 3), "padded_frac": round(pad, 4), "micro_batches": count,
                "tokens": tokens, "tokens_computed": computed, "host_syncs": syncs}
         results[phase] = out
         print(json.dumps(out), flush=True)

@@ -87,16 +87,17 @@ def test_the_micro_batches_on_a_gpu_pad_at_most_a_tenth_of_a_long_tail(monkeypat
 
 @pytest.mark.slow
 def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
-    """The benchmark end to end on CPU (the project's build_policy, token_stats and update, and the
-    full-logits update), two length distributions, three levers (on the first lengths), every update
-    profiled: every phase's line has every field, the table and the ratios are printed; a lever reaches the
-    trainer's passes. About 30 s here."""
+    """The benchmark end to end on CPU (the project's build_policy, token_stats and update, the full-logits
+    update, and TRL 1.16's own update on equal lengths), two length distributions, three levers (on the first
+    lengths), every update profiled: every phase's line has every field, the table and the ratios are
+    printed; a lever reaches the trainer's passes. About 40 s here."""
     tp = _load()
     lengths = [4, 4, 4, 18, 18, 40, 41, 42]  # sequences of 10, 10, 10, 24, 24, 46, 47, 48
     (tmp_path / "lengths.txt").write_text("\n".join(map(str, lengths)))
     script = os.path.join(ROOT, "benchmarks", "train_passes.py")
     r = subprocess.run([sys.executable, script, "--shape", "tiny", "--samples", "8", "--prompt", "6",
                         "--response", "12", "--lengths", f"{tmp_path / 'lengths.txt'},equal",
+                        "--phases", "old_pass,update,full_logits,trl_update",
                         "--micro-tokens", "96", "--reps", "1", "--levers",
                         "micro_tokens_x4,no_checkpointing+micro_tokens_x2,cheapest_micro_batches",
                         "--profile", "update"],
@@ -116,7 +117,10 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
             "update"]["micro_batches"], base["micro_batches"]) == (1, 2, 3)
     cheapest = levers["cheapest_micro_batches", "update"]  # CUDA's cut, here: 4, and less padding
     assert cheapest["micro_batches"] == 4 and cheapest["padded_frac"] < base["padded_frac"]
-    assert set(phases) == {(d, p) for d in ("equal", "file") for p in ("old_pass", "update", "full_logits")}
+    assert set(phases) == {(d, p) for d in ("equal", "file") for p in ("old_pass", "update", "full_logits")} | {
+        ("equal", "trl_update")}  # TRL's micro-batches count samples: equal lengths only
+    trl = phases["equal", "trl_update"]  # 96 // 18 = 5 samples a micro-batch, in their order: 5 and 3
+    assert trl["micro_batches"] == 2 and trl["padded_frac"] == 0 and trl["tokens"] == 8 * 18
     for x in phases.values():
         for field in ("seconds", "times", "tokens_per_s", "tflops", "mfu", "peak_gib", "padded_frac",
                       "micro_batches", "tokens", "tokens_computed", "host_syncs", "warmup_s"):
@@ -129,6 +133,7 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
         ("file", "cheapest_micro_batches"), ("file", "fewest_micro_batches"),
         ("equal", "cheapest_micro_batches"), ("equal", "fewest_micro_batches")]
     assert r.stdout.count("| update |") == 5 and r.stdout.count("update / full_logits: time") == 2
+    assert r.stdout.count("| trl_update |") == 1
     profiles = [x for x in lines if x["phase"] == "profile"]  # one per update run: the base's two, 3 levers
     assert [(x["of"], x["lever"]) for x in profiles] == [("update", None)] * 2 + [
         ("update", "micro_tokens_x4"), ("update", "no_checkpointing+micro_tokens_x2"),
