@@ -12,7 +12,7 @@
 #   2b. with GPU_CHECK_LEVERS=1 (120 s more): the levers, each alone against the base on the same model
 #      (train_passes.py --levers, equal lengths): the layers eager, checkpointing off, micro-batches 4x
 #      larger, and checkpointing off with micro-batches 2x larger;
-#   2c. with GPU_CHECK_PROFILE=1 (120 s more): where the update's time goes (train_passes.py --profile update,
+#   2c. with GPU_CHECK_PROFILE=1 (180 s more): where the update's time goes (train_passes.py --profile update,
 #      equal lengths): the kernels' share of the wall time, by kind, and the operators that take the most of
 #      it; and, where TRL imports, TRL 1.16's own update on the same model and rows (phase trl_update);
 #   3. examples/gpu_smoke.py --engine hf with the tests' tiny Qwen3 (tests/reference.toy_model, hidden 128).
@@ -50,7 +50,7 @@ else
   head_args=(--batch 8 --seq 2048 --vocab 151936)
   h1=2048 h2=4096
   passes=(--shape 1.7b --samples 64 --prompt 256 --response 1024 --micro-tokens 16384 --reps 1)
-  cap_test=150 cap_head=120 cap_passes=150 cap_levers=120 cap_profile=120 cap_smoke=180
+  cap_test=150 cap_head=120 cap_passes=150 cap_levers=120 cap_profile=180 cap_smoke=180
 fi
 
 section() { echo; echo "==== $1 ($(date +%T))"; }
