@@ -191,11 +191,14 @@ def reset_peak(cuda):
             f.write("5")  # the resident set's high-water mark starts again from now
 
 
-def peak_gib(cuda):
+def peak_gib(cuda, now=False):
+    """The peak since reset_peak (now: what is held at this moment), GiB: allocated on CUDA, the resident set
+    on CPU."""
     if cuda:
-        return torch.cuda.max_memory_allocated() / 2**30
+        return (torch.cuda.memory_allocated() if now else torch.cuda.max_memory_allocated()) / 2**30
+    field = "VmRSS:" if now else "VmHWM:"
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 2**20
 
 
 # ---- the trainer's calls: each in one place, so a rename is a one-line change ----------------------
@@ -237,14 +240,6 @@ def full_logits_head(hidden, weight, tokens, temperature, chunk_size=None, colli
 # ---- TRL's own update (trl_update) -------------------------------------------------------------------
 
 _TRL = {}  # folder -> TRL's GRPOTrainer on it, built once
-
-
-def held_gib(cuda):
-    """What this process holds now: allocated on CUDA, the resident set on CPU (GiB)."""
-    if cuda:
-        return torch.cuda.memory_allocated() / 2**30
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 2**20
 
 
 def trl_trainer(folder, cuda):
@@ -443,7 +438,7 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, lever=N
         if phase == "trl_update" and dist_name != "equal":
             continue  # TRL's micro-batches count samples: sized for the longest, a long tail runs one by one
         fn, flops = phases[phase]
-        held = held_gib(cuda) if phase == "trl_update" and a.folder not in _TRL else 0.0  # this script's own
+        held = peak_gib(cuda, now=True) if phase == "trl_update" and a.folder not in _TRL else 0.0  # ours
         times, peaks, syncs, warmup = [], [], None, None
         for r in range(a.reps + 1):
             reset_peak(cuda)
