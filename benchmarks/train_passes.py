@@ -283,10 +283,10 @@ def trl_update(trainer, rows, adv, parts):
     model, acc, pad = trainer.model, trainer.accelerator, trainer.processing_class.pad_token_id
     trainer.current_gradient_accumulation_steps = len(parts)  # what its loop sets
     items = torch.tensor(float(sum(len(c) for _, c in rows)), device=acc.device)  # dapo: the batch's tokens
+    tensor = lambda x: torch.tensor(x, device=acc.device)  # noqa: E731
     for part in parts:
         prompts, completions = [rows[i][0] for i in part], [rows[i][1] for i in part]
         P, C = max(map(len, prompts)), max(map(len, completions))
-        tensor = lambda x: torch.tensor(x, device=acc.device)  # noqa: E731
         inputs = dict(prompt_ids=tensor([[pad] * (P - len(p)) + p for p in prompts]),
                       prompt_mask=tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts]),
                       completion_ids=tensor([c + [pad] * (C - len(c)) for c in completions]),
