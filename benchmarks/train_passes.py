@@ -93,13 +93,19 @@ SHORTEST, LONGEST = 200, 8192  # the log-normal's clip
 
 def save_random_model(folder, shape, device):
     """A Qwen3 of `shape` with random weights (transformers' own init), saved to `folder` (bf16 for the
-    published shapes, fp32 for tiny); returns its config."""
+    published shapes, fp32 for tiny), its config.json last: a run killed while saving leaves no folder that
+    a later --model-dir would take for a checkpoint. Returns the config."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     cfg = Qwen3Config(max_position_embeddings=40960, rope_theta=1e6, **SHAPES[shape])
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3ForCausalLM(cfg)
-    model.to(torch.float32 if shape == "tiny" else torch.bfloat16).save_pretrained(folder)
+    os.makedirs(folder, exist_ok=True)
+    part = tempfile.mkdtemp(dir=folder)
+    model.to(torch.float32 if shape == "tiny" else torch.bfloat16).save_pretrained(part)
+    for name in sorted(os.listdir(part), key=lambda n: n == "config.json"):
+        os.replace(os.path.join(part, name), os.path.join(folder, name))
+    os.rmdir(part)
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -356,7 +362,6 @@ def run_all(a, batches, folder):
         save_random_model(folder, a.shape, device)
     base = dict(compiled=P.layers_compiled("auto", device), cost=P.MICRO_BATCH_COST)  # as stapo.py's
     policy = P.build_policy(folder, mesh, device, dtype, base["compiled"])
-    a.folder = folder  # for trl_update
     fused = dict(fused=True) if cuda else dict(foreach=True)  # as stapo.py builds it
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.1, **fused)
     params = sum(t.numel() for t in policy.parameters())
@@ -370,7 +375,8 @@ def run_all(a, batches, folder):
     results = {}
     for dist_name, rows, idx in batches:
         print_padding(rows, idx, a, dist_name)
-        results[(dist_name, None)] = run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name)
+        results[(dist_name, None)] = run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name,
+                                               folder)
         print_table(results[(dist_name, None)], a, name, peak, dist_name)
     dist_name, rows, idx = batches[0]
     phases = ",".join(x for x in a.phases.split(",") if x not in ("full_logits", "trl_update"))  # no lever's
@@ -381,7 +387,8 @@ def run_all(a, batches, folder):
         for lever in levers:
             set_lever(P, policy, lever, True, base)
         try:
-            config = run_passes(P, S, policy, opt, rows, idx, b, device, peak, dist_name, lever=combo)
+            config = run_passes(P, S, policy, opt, rows, idx, b, device, peak, dist_name, folder,
+                                lever=combo)
         finally:
             for lever in levers:
                 set_lever(P, policy, lever, False, base)
@@ -390,9 +397,9 @@ def run_all(a, batches, folder):
     return results
 
 
-def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, lever=None):
+def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder, lever=None):
     """Each phase of --phases on one batch (with `lever` on, if given), in the micro-batches the trainer cuts:
-    one JSON line each; returns them by phase."""
+    one JSON line each (trl_update builds TRL's trainer on folder's checkpoint); returns them by phase."""
     import head
     from metrics import StepMetrics
     from stapo_core import group_advantages
@@ -428,7 +435,7 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, lever=N
     cut = {"trl_update": (*trl_padding(rows, trl_parts), len(trl_parts))}  # else (padded, computed, count)
 
     def trl():
-        trainer = trl_trainer(a.folder, cuda)
+        trainer = trl_trainer(folder, cuda)
         trl_update(trainer, rows, batch.adv, trl_parts)
 
     phases = {"old_pass": (old, fwd), "update": (update, 3 * fwd), "full_logits": (full_logits, 3 * fwd),
@@ -438,7 +445,7 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, lever=N
         if phase == "trl_update" and dist_name != "equal":
             continue  # TRL's micro-batches count samples: sized for the longest, a long tail runs one by one
         fn, flops = phases[phase]
-        held = peak_gib(cuda, now=True) if phase == "trl_update" and a.folder not in _TRL else 0.0  # ours
+        held = peak_gib(cuda, now=True) if phase == "trl_update" and folder not in _TRL else 0.0  # ours
         times, peaks, syncs, warmup = [], [], None, None
         for r in range(a.reps + 1):
             reset_peak(cuda)

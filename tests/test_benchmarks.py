@@ -86,6 +86,32 @@ def test_the_micro_batches_on_a_gpu_pad_at_most_a_tenth_of_a_long_tail(monkeypat
 
 
 @pytest.mark.slow
+def test_a_random_checkpoint_is_saved_whole_or_not_at_all(tmp_path, monkeypatch):
+    """save_random_model moves config.json, what a later --model-dir takes for a saved checkpoint (the GPU
+    check keeps the 1.7B one for its second part), into the folder last: a run killed while saving (here,
+    after its first file) leaves no config.json behind, and a whole save loads. Breaks if the checkpoint is
+    saved straight into the folder (save_pretrained writes config.json first)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    tp = _load()
+    real, moved = os.replace, []
+
+    def replace(src, dst):
+        if moved:
+            raise KeyboardInterrupt  # the kill
+        moved.append(dst)
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        tp.save_random_model(str(tmp_path / "killed"), "tiny", torch.device("cpu"))
+    assert moved and not (tmp_path / "killed" / "config.json").exists()
+    monkeypatch.setattr(os, "replace", real)
+    tp.save_random_model(str(tmp_path / "whole"), "tiny", torch.device("cpu"))
+    assert "config.json" in os.listdir(tmp_path / "whole")
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "whole")).config.hidden_size == 64
+
+
 def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     """The benchmark end to end on CPU (the project's build_policy, token_stats and update, the full-logits
     update, and TRL 1.16's own update on equal lengths), two length distributions, three levers (on the first
