@@ -105,12 +105,19 @@ def main():
     a = p.parse_args()
     if a.method:
         return run_one(a)
-    res, variants = {}, a.variants.split(",")
-    for method in variants:
+    res, failed = {}, {}
+    for method in a.variants.split(","):
         env = {**os.environ, **({"STAPO_HEAD_COMPILE": "0"} if method == "eager" else {})}
-        out = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--method", method],
-                             check=True, capture_output=True, text=True, env=env).stdout
-        res[method] = json.loads(out.strip().splitlines()[-1])
+        r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--method", method],
+                           capture_output=True, text=True, env=env)
+        if r.returncode:  # its row says why (an OOM, TRL's kernel on this device); the other rows still print
+            failed[method] = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1][:200]
+            print(f"{method}: failed: {failed[method]}", file=sys.stderr)
+            continue
+        res[method] = json.loads(r.stdout.strip().splitlines()[-1])
+    variants = list(res)
+    if not variants:
+        sys.exit("logprobs.py: every variant failed")
     first = res[variants[0]]
     print(f"{a.batch} x {a.seq} tokens, vocab {a.vocab}, hidden {a.hidden}, {first['name']} "
           f"{first['dtype']}, forward+backward")
@@ -120,6 +127,8 @@ def main():
         rows = res[k]["chunk"]
         compiled = "-" if rows == "-" else res[k]["compiled"]  # not the project's head
         print(f"| {k} | {rows} | {compiled} | {res[k]['seconds']:.3f} | {res[k]['peak_gb']:.2f} |")
+    for k, why in failed.items():
+        print(f"| {k} | failed: {why} | | | |")
     if "naive" in res:
         n = res["naive"]
         for k in [v for v in variants if v != "naive"]:

@@ -172,6 +172,24 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     assert "MFU against no TFLOP/s (model FLOPs: 2N per token" in r.stdout
 
 
+def test_a_profiler_that_fails_leaves_its_phase_timed(monkeypatch, capsys):
+    """--profile on a device whose profiler fails (it has not run on a GPU yet): one line says why, and the
+    phase's own timed line still prints. Breaks if the profiler's error ends the run (on the GPU check, the
+    rows after it: TRL's update, the other cut)."""
+    tp = _load()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no profiler here")
+
+    monkeypatch.setattr(tp, "profile", broken)
+    tp.main(["--shape", "tiny", "--samples", "8", "--prompt", "6", "--response", "12", "--phases", "update",
+             "--reps", "1", "--profile", "update"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert {"phase": "profile", "of": "update", "lengths": "equal", "lever": None, "error": "RuntimeError",
+            "detail": "no profiler here"} in lines
+    assert [x["phase"] for x in lines if "seconds" in x] == ["build", "update"]
+
+
 def test_logprobs_trl_row_computes_what_the_head_computes():
     """benchmarks/logprobs.py's trl row is a like-for-like rival: TRL 1.16's fused head, called as the script
     calls it, gives the project's head's log p, entropy and both gradients (fp32 on CPU, a vocabulary of
@@ -206,3 +224,20 @@ def test_logprobs_reports_the_chunk_the_head_chose():
     assert "| chunked | 128 | False |" in r.stdout and "| eager | 128 | False |" in r.stdout, r.stdout
     assert "chunked/naive: time" in r.stdout and "(chunk 128)" in r.stdout
     assert "| trl | - | - |" in r.stdout and "chunked/trl: time" in r.stdout
+
+
+@pytest.mark.slow
+def test_logprobs_prints_the_other_rows_when_a_variant_fails(tmp_path):
+    """A variant whose process fails (here TRL's, its package shadowed by one that cannot be imported; on a GPU,
+    an OOM or TRL's kernel on that device) gets a row that says why, and the others still print with their
+    ratios: the GPU check's head section asks for the trl row beside the head's own. Breaks if one failed
+    variant ends the script before its table."""
+    (tmp_path / "trl").mkdir()
+    (tmp_path / "trl" / "__init__.py").write_text("raise ImportError('no trl here')\n")
+    script = os.path.join(ROOT, "benchmarks", "logprobs.py")
+    r = subprocess.run([sys.executable, script, "--batch", "2", "--seq", "16", "--vocab", "300", "--hidden",
+                        "16", "--variants", "naive,trl,chunked"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| trl | failed: ImportError: no trl here |" in r.stdout, r.stdout
+    assert "| naive | - | - |" in r.stdout and "chunked/naive: time" in r.stdout and "/trl" not in r.stdout
