@@ -13,7 +13,8 @@ head, trl.kernels.ChunkedLogProbFunction, as its GRPOTrainer calls it: tiles of 
 vocabulary entries, a Triton kernel on CUDA and torch ops elsewhere, log p and the entropy; it needs only the
 trl package, none of TRL's other dependencies). The timed pass follows one warm-up pass, which also compiles.
 
-Each method runs in its own child process, so one cannot hide the other's peak. On CPU the peak is the
+Each method runs in its own child process, so one cannot hide the other's peak; its JSON line prints as it
+ends, and one that fails gets a row saying why. On CPU the peak is the
 resident set's high-water mark (VmHWM, reset before the timed pass); on GPU, max_memory_allocated. Memory
 is reported above what the inputs (hidden states, lm_head weight, tokens) already hold.
 """
@@ -115,6 +116,7 @@ def main():
             print(f"{method}: failed: {failed[method]}", file=sys.stderr)
             continue
         res[method] = json.loads(r.stdout.strip().splitlines()[-1])
+        print(json.dumps({"variant": method, **res[method]}), flush=True)  # kept if a time cap cuts the rest
     variants = list(res)
     if not variants:
         sys.exit("logprobs.py: every variant failed")

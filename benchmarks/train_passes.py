@@ -59,14 +59,15 @@ again, so each lever is measured against the base on the same model and batch:
   compile_layers    each decoder layer compiled (policy.compile_layers; the base's choice on CUDA, as
                     stapo.py's --compile-layers auto), its compile in the warm-up run
   eager_layers      each decoder layer eager (the base's choice on CPU)
-Profile (--profile, a comma list of phases): after a phase's timed runs, one more run of it under
-torch.profiler: one JSON line (its wall time; on CUDA, the kernels' summed time and its share of the wall,
-which says whether the device waited on the host; that time by kind: attention, matmul, compiled (Triton),
-optimizer, collectives, copies, other) and the profiler's table of the operators with the most time of their
-own (device time on CUDA, CPU time on CPU), for the base and for each lever.
+Profile (--profile, a comma list of phases): after a phase's timed line, one more run of it under
+torch.profiler: one JSON line (its wall time, which the profiler's own host work lengthens; on CUDA, the
+kernels' summed time and its share of the timed run's seconds, which says whether the device waited on the
+host; that time by kind: attention, matmul, compiled (Triton), optimizer, collectives, copies, other) and the
+profiler's table of the operators with the most time of their own (device time on CUDA, CPU time on CPU), for
+the base and for each lever.
 Every phase prints one JSON line; a table and the ratios (of this one run) close the output.
 """
-import argparse, dataclasses, json, math, os, shutil, statistics, sys, tempfile, time, types, warnings
+import argparse, dataclasses, gc, json, math, os, shutil, statistics, sys, tempfile, time, types, warnings
 
 import torch
 
@@ -245,7 +246,18 @@ def full_logits_head(hidden, weight, tokens, temperature, chunk_size=None, colli
 
 # ---- TRL's own update (trl_update) -------------------------------------------------------------------
 
-_TRL = {}  # folder -> TRL's GRPOTrainer on it, built once
+_TRL = {}  # folder -> TRL's GRPOTrainer on it: built by a trl_update phase's first run, dropped at its end
+
+
+def preload_trl():
+    """TRL's trainer classes imported before any trainer exists: the import leaves its frames alive (TRL 1.16's
+    lazy module keeps a reference), and a frame that went on to hold a trainer would keep it, its weights and
+    its optimizer, to the end of the run. A failed import is trl_update's to report."""
+    try:
+        from datasets import Dataset  # noqa: F401
+        from trl import GRPOConfig, GRPOTrainer  # noqa: F401
+    except Exception:
+        pass
 
 
 def trl_trainer(folder, cuda):
@@ -361,6 +373,8 @@ def run_all(a, batches, folder):
     if not os.path.exists(os.path.join(folder, "config.json")):
         save_random_model(folder, a.shape, device)
     base = dict(compiled=P.layers_compiled("auto", device), cost=P.MICRO_BATCH_COST)  # as stapo.py's
+    if "trl_update" in a.phases.split(","):
+        preload_trl()
     policy = P.build_policy(folder, mesh, device, dtype, base["compiled"])
     fused = dict(fused=True) if cuda else dict(foreach=True)  # as stapo.py builds it
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.1, **fused)
@@ -472,14 +486,12 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder,
                 syncs = counted
             else:
                 warmup = seconds
+        if phase == "trl_update":  # TRL's weights and optimizer off the device: no later row counts them
+            _TRL.pop(folder, None)
+            gc.collect()
+            torch.cuda.empty_cache() if cuda else None
         if not times:
             continue
-        if phase in a.profile.split(","):
-            try:
-                profile(fn, cuda, phase, dist_name, lever)
-            except Exception as e:  # the profiler on this device: its line says why, the timed line follows
-                print(json.dumps({"phase": "profile", "of": phase, "lengths": dist_name, "lever": lever,
-                                  "error": type(e).__name__, "detail": str(e)[:300]}), flush=True)
         s = statistics.median(times)
         tflops = flops / s / 1e12
         pad, computed, count = cut.get(phase, (pad_ours, computed_ours, len(groups)))
@@ -492,6 +504,12 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder,
                "tokens": tokens, "tokens_computed": computed, "host_syncs": syncs}
         results[phase] = out
         print(json.dumps(out), flush=True)
+        if phase in a.profile.split(","):
+            try:
+                profile(fn, cuda, phase, dist_name, lever, s)
+            except Exception as e:  # the profiler on this device: its line says why, the rest still runs
+                print(json.dumps({"phase": "profile", "of": phase, "lengths": dist_name, "lever": lever,
+                                  "error": type(e).__name__, "detail": str(e)[:300]}), flush=True)
     return results
 
 
@@ -505,11 +523,12 @@ KINDS = (  # the profile's kinds of time, by the kernel's or operator's name (th
 )
 
 
-def profile(fn, cuda, phase, dist_name, lever, rows=15):
-    """One more run of fn under torch.profiler: a JSON line (wall time; on CUDA the kernels' summed time, and
-    its share of the wall: well under 1, the device waited on the host; that time by kind of kernel, KINDS,
-    the rest "other") and the operators with the most time of their own. On CPU the kinds sum the
-    operators' own CPU time."""
+def profile(fn, cuda, phase, dist_name, lever, timed, rows=15):
+    """One more run of fn under torch.profiler: a JSON line (its wall time, which the profiler's own host
+    work lengthens; on CUDA the kernels' summed time, and its share of the timed run's `timed` seconds,
+    device_busy: well under 1, the device waited on the host; that time by kind of kernel, KINDS, the rest
+    "other") and the operators with the most time of their own. On CPU the kinds sum the operators' own
+    CPU time."""
     from torch.profiler import ProfilerActivity, profile as profiler
     with profiler(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t = time.perf_counter()
@@ -531,7 +550,7 @@ def profile(fn, cuda, phase, dist_name, lever, rows=15):
     print(json.dumps({"phase": "profile", "of": phase, "lengths": dist_name, "lever": lever,
                       "wall_s": round(wall, 4),
                       "kernels_s": None if kernels is None else round(kernels, 4),
-                      "device_busy": None if kernels is None else round(kernels / wall, 3),
+                      "device_busy": None if kernels is None else round(kernels / timed, 3),
                       "by_kind_s": {k: round(v, 4) for k, v in kinds.items()}}), flush=True)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     print(events.table(sort_by=key, row_limit=rows, max_name_column_width=60), flush=True)

@@ -172,6 +172,31 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     assert "MFU against no TFLOP/s (model FLOPs: 2N per token" in r.stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is absent: pip install -r requirements-dev.txt")
+def test_trls_trainer_is_freed_after_its_phase():
+    """TRL's trainer (its weights and optimizer: about 19 GiB at 1.7B) is gone once its trl_update phase has
+    printed, so the rows after it (the levers', in the GPU check's part 2) do not count its memory. In a fresh
+    interpreter, where the first import of TRL's classes happens in the run. Breaks if the trainer stays in
+    the cache, or if the classes are first imported where the trainer is built (TRL's lazy import keeps the
+    importing frames, and that frame's locals, alive)."""
+    code = """if 1:
+        import gc, importlib.util, sys, weakref
+        spec = importlib.util.spec_from_file_location("tp", sys.argv[1])
+        tp = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tp)
+        built, real = [], tp.trl_trainer
+        tp.trl_trainer = lambda *a, real=real: (lambda t: built.append(weakref.ref(t.model)) or t)(real(*a))
+        tp.main(["--shape", "tiny", "--samples", "8", "--prompt", "6", "--response", "12", "--phases",
+                 "trl_update", "--reps", "1"])
+        gc.collect()
+        print("alive", sum(ref() is not None for ref in built), "of", len(built))
+    """
+    r = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "benchmarks", "train_passes.py")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "alive 0 of 2", r.stdout[-2000:]
+
+
 def test_a_profiler_that_fails_leaves_its_phase_timed(monkeypatch, capsys):
     """--profile on a device whose profiler fails (it has not run on a GPU yet): one line says why, and the
     phase's own timed line still prints. Breaks if the profiler's error ends the run (on the GPU check, the
