@@ -299,14 +299,19 @@ def sampler_logprobs(samples, valid):
     return out
 
 
+def engine_kind(flag, device):
+    """--engine auto|vllm|hf: the engine it builds on `device` (auto: vLLM when CUDA and vllm are present)."""
+    if flag == "auto":
+        return "vllm" if torch.device(device).type == "cuda" and importlib.util.find_spec("vllm") else "hf"
+    return flag
+
+
 def make_engine(kind, model, tok, device, max_model_len, gpu_memory_utilization, for_training=True,
                 dtype=None):
-    """--engine auto: vLLM when CUDA and vllm are present, else HF generate. dtype: the engine's
-    weights (default: bf16 on CUDA, fp32 on CPU)."""
+    """The engine of --engine `kind` (engine_kind). dtype: the engine's weights (default: bf16 on CUDA, fp32
+    on CPU)."""
     dtype = dtype or compute_dtype("auto", device)
-    if kind == "auto":
-        kind = "vllm" if device.type == "cuda" and importlib.util.find_spec("vllm") else "hf"
-    if kind == "vllm":
+    if engine_kind(kind, device) == "vllm":
         return VLLMEngine(model, max_model_len, gpu_memory_utilization, for_training, dtype)
     return HFEngine(model, device, dtype, tok.eos_token_id)
 

@@ -143,6 +143,6 @@ table="^| \(phase\|old_pass\|update\|full_logits\|trl_update\) "
 grep -h "$table\|^update / \|samples, lengths .* --micro-tokens" "$work/passes.txt" "$work/more.txt"
 grep -h '"phase": "padding"\|"error"' "$work/passes.txt" "$work/more.txt" | cut -c1-300
 grep -h '"phase": "profile"\|"phase": "trl_update"' "$work/more.txt"
-grep -h "^smoke:\|^PASS\|^FAIL" "$work/smoke.txt"
+grep -h "^smoke:\|^PASS\|^FAIL\|^SKIP" "$work/smoke.txt"
 echo "log: $log (${SECONDS}s)"
 rm -rf "$work"

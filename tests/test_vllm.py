@@ -158,20 +158,47 @@ def test_the_gpu_smoke_test_runs_on_cpu(tiny_vllm_tied, tmp_path):
 
 def test_the_gpu_smoke_test_reports_a_missing_sampler_gap_as_missing(tmp_path, capsys, monkeypatch):
     """The HF engine reports no sampler log-probs: the smoke test's step lines say so, never a gap of 0 (which
-    reads as a perfect match), and the item's FAIL names the reason; a gap over the tolerance fails without it."""
+    reads as a perfect match), and the gap's item is skipped, saying why (--engine hf, or auto where vLLM
+    would not run: here, a CPU), so a clean HF run ends with no failure; from vLLM a missing gap, or one over
+    the tolerance, fails, and one within it passes."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
     smoke = importlib.import_module("gpu_smoke")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "config.json").write_text(json.dumps({"dtype": "bf16", "device": "cpu"}))
-    for gap, says in ((None, "none reported"), (1.0, "mean 1.00e+00 max 1.00e+00")):
+    name = "the sampler-trainer gap within the same tolerance every step"
+    for engine, gap, says, want in (("hf", None, "none reported", None), ("auto", None, "none reported", None),
+                                    ("vllm", None, "none reported", False),
+                                    ("vllm", 1.0, "mean 1.00e+00 max 1.00e+00", False),
+                                    ("vllm", 1e-9, "mean 1.00e-09 max 1.00e-09", True)):
+        (run_dir / "config.json").write_text(json.dumps({"dtype": "bf16", "device": "cpu", "engine": engine}))
         step = {"sync_probe_gap_mean": 1e-7, "sync_probe_gap": 1e-6, "logprob_gap_mean": gap, "logprob_gap_max": gap}
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, **step}) + "\n" for i in (1, 2, 3, 4)))
-        items = dict((name, (ok, detail)) for name, ok, detail in smoke.checks(str(run_dir), str(tmp_path / "eval")))
+        items = dict((item, (ok, detail)) for item, ok, detail in smoke.checks(str(run_dir), str(tmp_path / "eval")))
         printed = capsys.readouterr().out
         assert printed.count(f"sampler gap {says}") == 4 and "0.00e+00" not in printed, printed
-        ok, detail = items["the sampler-trainer gap within the same tolerance every step"]
-        assert not ok and ("reports no sampler log-probs" in detail) == (gap is None), detail
+        ok, detail = items[name]
+        assert ok is want and ("reports no sampler log-probs" in detail) == (want is None), (engine, gap, detail)
+
+
+def test_the_gpu_smoke_tests_exit_code_counts_failures_not_skips(tmp_path, capsys, monkeypatch):
+    """gpu_smoke.py's summary and exit code: a skipped item (the gap, with the HF engine) is neither passed nor
+    failed, so a run whose other items pass exits 0; one failed item exits 1. Its commands are stood in for by
+    a runner that exits 0 (the checks are the test above's)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    smoke = importlib.import_module("gpu_smoke")
+
+    class Ran(smoke.PeakMemory):
+        def run(self, cmd, env):
+            return 0, "done"
+
+    monkeypatch.setattr(smoke, "PeakMemory", Ran)
+    for items, code, summary in (([("a", True, ""), ("b", None, "n/a")], 0, "smoke: 4 passed, 0 failed, 1 skipped"),
+                                 ([("a", False, "no"), ("b", None, "n/a")], 1, "smoke: 3 passed, 1 failed, 1 skipped"),
+                                 ([("a", True, "")], 0, "smoke: 4 passed, 0 failed\n")):  # and its 3 commands
+        monkeypatch.setattr(smoke, "checks", lambda run_dir, eval_dir, items=items: list(items))
+        assert smoke.main(["--model", "m", "--out", str(tmp_path)]) == code
+        printed = capsys.readouterr().out
+        assert summary in printed and ("SKIP b: n/a" in printed) == (len(items) == 2), printed
 
 
 # ---- the GPU path's order, on a fake --------------------------------------------------------------------
