@@ -486,30 +486,30 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder,
                 syncs = counted
             else:
                 warmup = seconds
+        if times:
+            s = statistics.median(times)
+            tflops = flops / s / 1e12
+            pad, computed, count = cut.get(phase, (pad_ours, computed_ours, len(groups)))
+            out = {"phase": phase, "lengths": dist_name, "lever": lever,
+                   "seconds": round(s, 4),
+                   "times": [round(x, 4) for x in times], "warmup_s": round(warmup, 2),
+                   "tokens_per_s": round(tokens / s),
+                   "tflops": round(tflops, 2), "mfu": round(tflops / peak, 4) if peak else None,
+                   "peak_gib": round(max(peaks), 3), "padded_frac": round(pad, 4), "micro_batches": count,
+                   "tokens": tokens, "tokens_computed": computed, "host_syncs": syncs}
+            results[phase] = out
+            print(json.dumps(out), flush=True)
+            if phase in a.profile.split(","):
+                try:
+                    profile(fn, cuda, phase, dist_name, lever, s)
+                except Exception as e:  # the profiler on this device: its line says why, the rest still runs
+                    print(json.dumps({"phase": "profile", "of": phase, "lengths": dist_name, "lever": lever,
+                                      "error": type(e).__name__, "detail": str(e)[:300]}), flush=True)
         if phase == "trl_update":  # TRL's weights and optimizer off the device: no later row counts them
             _TRL.pop(folder, None)
             gc.collect()
-            torch.cuda.empty_cache() if cuda else None
-        if not times:
-            continue
-        s = statistics.median(times)
-        tflops = flops / s / 1e12
-        pad, computed, count = cut.get(phase, (pad_ours, computed_ours, len(groups)))
-        out = {"phase": phase, "lengths": dist_name, "lever": lever,
-               "seconds": round(s, 4),
-               "times": [round(x, 4) for x in times], "warmup_s": round(warmup, 2),
-               "tokens_per_s": round(tokens / s),
-               "tflops": round(tflops, 2), "mfu": round(tflops / peak, 4) if peak else None,
-               "peak_gib": round(max(peaks), 3), "padded_frac": round(pad, 4), "micro_batches": count,
-               "tokens": tokens, "tokens_computed": computed, "host_syncs": syncs}
-        results[phase] = out
-        print(json.dumps(out), flush=True)
-        if phase in a.profile.split(","):
-            try:
-                profile(fn, cuda, phase, dist_name, lever, s)
-            except Exception as e:  # the profiler on this device: its line says why, the rest still runs
-                print(json.dumps({"phase": "profile", "of": phase, "lengths": dist_name, "lever": lever,
-                                  "error": type(e).__name__, "detail": str(e)[:300]}), flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
     return results
 
 
