@@ -26,7 +26,7 @@
 # (part 2: FOLDER/gpu_check_2.log; the smoke test's command logs in FOLDER/smoke_logs.txt). The 1.7B model's
 # random checkpoint is kept in /tmp/gpu_check_model for the next part on the same machine.
 #
-#   GPU_CHECK_TINY=1 bash benchmarks/gpu_check.sh /tmp/gc   # on CPU: tiny shapes, end to end (~2 minutes a part)
+#   GPU_CHECK_TINY=1 bash benchmarks/gpu_check.sh /tmp/gc   # on CPU: tiny shapes, end to end (~90 s a part)
 #
 # The GPU image lacked datasets, dill and multiprocess (problems.py reads a .parquet or Hub dataset through
 # datasets; the check's .jsonl runs do not), trl (the TRL rows) and accelerate, psutil and jinja2 (with trl,
@@ -82,7 +82,8 @@ for name in ("transformers", "triton", "datasets", "dill", "multiprocess", "pyar
         print(name, getattr(module, "__version__", None) or importlib.metadata.version(name))
     except Exception as e:
         print(name, "MISSING:", type(e).__name__, e)
-for probe, code in (("trl_head", "import trl.kernels.chunked_logprob"), ("trl_update", "from trl import GRPOTrainer")):
+probes = {"trl_head": "import trl.kernels.chunked_logprob", "trl_update": "from trl import GRPOTrainer"}
+for probe, code in probes.items():
     try:
         exec(code)
         print("probe", probe, "yes")

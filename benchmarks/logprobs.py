@@ -14,9 +14,9 @@ vocabulary entries, a Triton kernel on CUDA and torch ops elsewhere, log p and t
 trl package, none of TRL's other dependencies). The timed pass follows one warm-up pass, which also compiles.
 
 Each method runs in its own child process, so one cannot hide the other's peak; its JSON line prints as it
-ends, and one that fails gets a row saying why. On CPU the peak is the
-resident set's high-water mark (VmHWM, reset before the timed pass); on GPU, max_memory_allocated. Memory
-is reported above what the inputs (hidden states, lm_head weight, tokens) already hold.
+ends, and one that fails gets a row saying why. On CPU the peak is the resident set's high-water mark
+(VmHWM, reset before the timed pass); on GPU, max_memory_allocated. Memory is reported above what the
+inputs (hidden states, lm_head weight, tokens) already hold.
 """
 import argparse, json, os, subprocess, sys, time
 

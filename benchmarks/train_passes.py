@@ -250,9 +250,9 @@ _TRL = {}  # folder -> TRL's GRPOTrainer on it: built by a trl_update phase's fi
 
 
 def preload_trl():
-    """TRL's trainer classes imported before any trainer exists: the import leaves its frames alive (TRL 1.16's
-    lazy module keeps a reference), and a frame that went on to hold a trainer would keep it, its weights and
-    its optimizer, to the end of the run. A failed import is trl_update's to report."""
+    """TRL's trainer classes imported before any trainer exists: the import leaves its frames alive (TRL
+    1.16's lazy module keeps a reference), and a frame that went on to hold a trainer would keep it, its
+    weights and its optimizer, to the end of the run. A failed import is trl_update's to report."""
     try:
         from datasets import Dataset  # noqa: F401
         from trl import GRPOConfig, GRPOTrainer  # noqa: F401
@@ -459,7 +459,7 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder,
         if phase == "trl_update" and dist_name != "equal":
             continue  # TRL's micro-batches count samples: sized for the longest, a long tail runs one by one
         fn, flops = phases[phase]
-        held = peak_gib(cuda, now=True) if phase == "trl_update" and folder not in _TRL else 0.0  # ours
+        held = peak_gib(cuda, now=True) if phase == "trl_update" else 0.0  # ours, before TRL's is built
         times, peaks, syncs, warmup = [], [], None, None
         for r in range(a.reps + 1):
             reset_peak(cuda)
@@ -467,14 +467,13 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder,
             try:
                 record, counted = counting_syncs(fn, cuda) if r else (fn(), None)
             except torch.OutOfMemoryError as e:
-                print(json.dumps({"phase": phase, "error": "OOM", "detail": str(e)[:200]}), flush=True)
+                print_error(e, phase=phase, lengths=dist_name, lever=lever, error="OOM")
                 torch.cuda.empty_cache()
                 break
             except Exception as e:  # TRL missing or changed: its line says so, the rest still prints
                 if phase != "trl_update":
                     raise
-                print(json.dumps({"phase": phase, "error": type(e).__name__, "detail": str(e)[:300]}),
-                      flush=True)
+                print_error(e, phase=phase, lengths=dist_name, lever=lever)
                 break
             if cuda:
                 torch.cuda.synchronize()
@@ -503,14 +502,18 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder,
                 try:
                     profile(fn, cuda, phase, dist_name, lever, s)
                 except Exception as e:  # the profiler on this device: its line says why, the rest still runs
-                    print(json.dumps({"phase": "profile", "of": phase, "lengths": dist_name, "lever": lever,
-                                      "error": type(e).__name__, "detail": str(e)[:300]}), flush=True)
+                    print_error(e, phase="profile", of=phase, lengths=dist_name, lever=lever)
         if phase == "trl_update":  # TRL's weights and optimizer off the device: no later row counts them
             _TRL.pop(folder, None)
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
     return results
+
+
+def print_error(e, error=None, **where):
+    """The JSON line of a run that failed: where (phase, lengths, lever), the error's name, what it said."""
+    print(json.dumps({**where, "error": error or type(e).__name__, "detail": str(e)[:300]}), flush=True)
 
 
 KINDS = (  # the profile's kinds of time, by the kernel's or operator's name (the first that matches)

@@ -16,7 +16,8 @@ sampler-trainer gap with the HF engine, which reports no sampler log-probs), the
 (the GPUs' used memory, polled with nvidia-smi, all processes; on CPU the processes' resident set), the
 trainer's own peaks (peak_gb/*) from each run's second step (steps 2 and 4: a first step's rollout peak
 holds vLLM's start-up), and "smoke: N passed, M failed" (and ", K skipped"); its exit code is M. On CPU it
-runs too, with vLLM's CPU build and a tiny model: that is how the tests run it (--engine vllm --dtype bf16 ...).
+runs too, with vLLM's CPU build and a tiny model: that is how the tests run it (--engine vllm --dtype bf16
+...).
 """
 import argparse, glob, json, os, re, shutil, subprocess, sys, threading, time
 
@@ -124,7 +125,8 @@ def main(argv=None):
         results.append((name, code == 0, log.strip().splitlines()[-1:] if code else []))
     results += checks(run_dir, os.path.join(out, "eval"))
     for name, ok, why in results:  # ok None: the item does not apply to this engine
-        print(f"{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'} {name}" + (f": {why}" if why and not ok else ""))
+        verdict = "SKIP" if ok is None else "PASS" if ok else "FAIL"
+        print(f"{verdict} {name}" + (f": {why}" if why and not ok else ""))
     passed, skipped = sum(bool(ok) for _, ok, _ in results), sum(ok is None for _, ok, _ in results)
     failed = len(results) - passed - skipped
     print(f"smoke: {passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else ""))

@@ -85,7 +85,6 @@ def test_the_micro_batches_on_a_gpu_pad_at_most_a_tenth_of_a_long_tail(monkeypat
         assert padded <= 0.10, (seed, padded)
 
 
-@pytest.mark.slow
 def test_a_random_checkpoint_is_saved_whole_or_not_at_all(tmp_path, monkeypatch):
     """save_random_model moves config.json, what a later --model-dir takes for a saved checkpoint (the GPU
     check keeps the 1.7B one for its second part), into the folder last: a run killed while saving (here,
@@ -112,6 +111,7 @@ def test_a_random_checkpoint_is_saved_whole_or_not_at_all(tmp_path, monkeypatch)
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "whole")).config.hidden_size == 64
 
 
+@pytest.mark.slow
 def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     """The benchmark end to end on CPU (the project's build_policy, token_stats and update, the full-logits
     update, and TRL 1.16's own update on equal lengths), two length distributions, three levers (on the first
@@ -172,7 +172,9 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     assert "MFU against no TFLOP/s (model FLOPs: 2N per token" in r.stdout
 
 
-@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is absent: pip install -r requirements-dev.txt")
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is absent: pip install -r "
+                    "requirements-dev.txt")
 def test_trls_trainer_is_freed_after_its_phase():
     """TRL's trainer (its weights and optimizer: about 19 GiB at 1.7B) is gone once its trl_update phase has
     printed and been profiled (on the same trainer), so the rows after it (the levers', in the GPU check's
@@ -198,22 +200,29 @@ def test_trls_trainer_is_freed_after_its_phase():
     assert r.stdout.strip().splitlines()[-1] == "alive 0 of 3", r.stdout[-2000:]  # warm-up, timed, profiled
 
 
-def test_a_profiler_that_fails_leaves_its_phase_timed(monkeypatch, capsys):
-    """--profile on a device whose profiler fails (it has not run on a GPU yet): one line says why, and the
-    phase's own timed line still prints. Breaks if the profiler's error ends the run (on the GPU check, the
-    rows after it: TRL's update, the other cut)."""
+@pytest.mark.slow  # the policy built, and an update run
+def test_a_failed_profile_or_trl_update_says_where_and_the_run_goes_on(monkeypatch, capsys):
+    """--profile on a device whose profiler fails (it has not run on a GPU yet), and TRL's update failing (TRL
+    missing or changed): each gets one line that says where (phase, lengths, lever) and why, and the phases
+    after it still run and print. Breaks if either error ends the run (on the GPU check, the rows after it:
+    TRL's update, the other cut)."""
     tp = _load()
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("no profiler here")
+    def broken(what):
+        def fail(*args, **kwargs):
+            raise RuntimeError(f"no {what} here")
+        return fail
 
-    monkeypatch.setattr(tp, "profile", broken)
-    tp.main(["--shape", "tiny", "--samples", "8", "--prompt", "6", "--response", "12", "--phases", "update",
-             "--reps", "1", "--profile", "update"])
+    monkeypatch.setattr(tp, "profile", broken("profiler"))
+    monkeypatch.setattr(tp, "trl_trainer", broken("TRL"))
+    tp.main(["--shape", "tiny", "--samples", "8", "--prompt", "6", "--response", "12", "--phases",
+             "update,trl_update,old_pass", "--reps", "1", "--profile", "update"])
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert {"phase": "profile", "of": "update", "lengths": "equal", "lever": None, "error": "RuntimeError",
             "detail": "no profiler here"} in lines
-    assert [x["phase"] for x in lines if "seconds" in x] == ["build", "update"]
+    assert {"phase": "trl_update", "lengths": "equal", "lever": None, "error": "RuntimeError",
+            "detail": "no TRL here"} in lines
+    assert [x["phase"] for x in lines if "seconds" in x] == ["build", "update", "old_pass"]
 
 
 def test_logprobs_trl_row_computes_what_the_head_computes():
