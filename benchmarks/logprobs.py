@@ -117,9 +117,19 @@ def main():
             continue
         res[method] = json.loads(r.stdout.strip().splitlines()[-1])
         print(json.dumps({"variant": method, **res[method]}), flush=True)  # kept if a time cap cuts the rest
-    variants = list(res)
-    if not variants:
+    if not res:
         sys.exit("logprobs.py: every variant failed")
+    print_table(a, res, failed)
+
+
+def ratio(x, y, digits):
+    """x / y as "1.23x", or "n/a" where y is 0: at a tiny shape a pass can fit in memory the process already
+    holds, so its measured peak above the inputs is 0."""
+    return f"{x / y:.{digits}f}x" if y else "n/a"
+
+
+def print_table(a, res, failed):
+    variants = list(res)
     first = res[variants[0]]
     print(f"{a.batch} x {a.seq} tokens, vocab {a.vocab}, hidden {a.hidden}, {first['name']} "
           f"{first['dtype']}, forward+backward")
@@ -135,13 +145,12 @@ def main():
         n = res["naive"]
         for k in [v for v in variants if v != "naive"]:
             c = res[k]
-            print(f"{k}/naive: time {c['seconds'] / n['seconds']:.2f}x, "
-                  f"memory {c['peak_gb'] / n['peak_gb']:.3f}x (chunk {c['chunk']})")
+            print(f"{k}/naive: time {ratio(c['seconds'], n['seconds'], 2)}, "
+                  f"memory {ratio(c['peak_gb'], n['peak_gb'], 3)} (chunk {c['chunk']})")
     if "chunked" in res and "trl" in res:
         c, t = res["chunked"], res["trl"]
-        print(f"chunked/trl: time {c['seconds'] / t['seconds']:.2f}x, "
-              f"memory {c['peak_gb'] / t['peak_gb']:.3f}x")
-
+        print(f"chunked/trl: time {ratio(c['seconds'], t['seconds'], 2)}, "
+              f"memory {ratio(c['peak_gb'], t['peak_gb'], 3)}")
 
 if __name__ == "__main__":
     main()

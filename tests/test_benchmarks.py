@@ -261,6 +261,27 @@ def test_logprobs_reports_the_chunk_the_head_chose():
     assert "| trl | - | - |" in r.stdout and "chunked/trl: time" in r.stdout
 
 
+def test_a_peak_of_zero_prints_na_and_the_table_still_prints(capsys):
+    """At a tiny shape on CPU a pass can fit in memory the process already holds, so its peak above the inputs
+    is 0 (CI measured it so for the naive head). The memory ratios then say n/a, and the tables print. Breaks
+    on a bare division by the peak (a ZeroDivisionError ended logprobs.py before its ratios)."""
+    from types import SimpleNamespace
+    spec = importlib.util.spec_from_file_location("logprobs", os.path.join(ROOT, "benchmarks", "logprobs.py"))
+    lp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lp)
+    row = {"seconds": 0.5, "peak_gb": 0.0, "name": "cpu", "dtype": "float32", "chunk": "-", "compiled": False}
+    res = {"naive": row, "chunked": {**row, "peak_gb": 0.01, "chunk": 128}, "trl": {**row, "seconds": 0.25}}
+    lp.print_table(SimpleNamespace(batch=2, seq=16, vocab=300, hidden=16), res, {})
+    out = capsys.readouterr().out
+    assert "chunked/naive: time 1.00x, memory n/a (chunk 128)" in out, out
+    assert "trl/naive: time 0.50x, memory n/a" in out and "chunked/trl: time 2.00x, memory n/a" in out, out
+    tp = _load()
+    phase = {"seconds": 1.0, "tokens_per_s": 10, "tflops": 0.0, "mfu": None, "peak_gib": 0.0, "padded_frac": 0.0}
+    tp.print_table({"update": {**phase, "peak_gib": 0.5}, "full_logits": phase},
+                   SimpleNamespace(shape="tiny", samples=4, micro_tokens=64), "cpu", None, "equal")
+    assert "update / full_logits: time 1.00x, peak memory n/a (one run)" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_logprobs_prints_the_other_rows_when_a_variant_fails(tmp_path):
     """A variant whose process fails (here TRL's, its package shadowed by one that cannot be imported; on a GPU,
