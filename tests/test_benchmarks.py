@@ -151,7 +151,9 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
         for field in ("seconds", "times", "tokens_per_s", "tflops", "mfu", "peak_gib", "padded_frac",
                       "micro_batches", "tokens", "tokens_computed", "host_syncs", "warmup_s"):
             assert field in x, (field, x)
-        assert x["seconds"] > 0 and x["peak_gib"] > 0 and x["mfu"] is None and 0 <= x["padded_frac"] < 1
+        assert x["seconds"] > 0 and x["mfu"] is None and 0 <= x["padded_frac"] < 1
+        # TRL's peak is counted above what the script held; its tiny step may fit in memory already held
+        assert x["peak_gib"] >= 0 if x["phase"] == "trl_update" else x["peak_gib"] > 0, x
         assert x["host_syncs"] is None  # CUDA's sync debug mode: not on CPU
     assert phases["equal", "update"]["padded_frac"] == 0 < base["padded_frac"]
     padding = [x for x in lines if x["phase"] == "padding"]

@@ -699,15 +699,16 @@ def test_parquet_and_dedup(tmp_path):
 
 
 def test_dapo_nested_schema_unwrapped_and_deduplicated(tmp_path):
-    path = os.path.join(SHARED, "train", "dapo_math_17k_sample.jsonl")
-    if not os.path.exists(path):
-        pytest.skip("../shared/data/train/dapo_math_17k_sample.jsonl is absent")
+    path, full = (os.path.join(SHARED, "train", f"dapo_math_17k{s}.jsonl") for s in ("_sample", ""))
+    for f in (path, full):
+        if not os.path.exists(f):
+            pytest.skip(f"../shared/data/train/{os.path.basename(f)} is absent")
     rows = open(path).read().splitlines()
     (tmp_path / "dapo.jsonl").write_text("\n".join(rows + rows) + "\n")  # the Hub repeats every prompt
     got = problems.load_problems(str(tmp_path / "dapo.jsonl"))
     assert [a for _, a in got] == ["34", "113", "-3"]
     assert not any("Answer:" in p for p, _ in got)
-    flat = [json.loads(x) for x in open(os.path.join(SHARED, "train", "dapo_math_17k.jsonl")).read().splitlines()[:3]]
+    flat = [json.loads(x) for x in open(full).read().splitlines()[:3]]
     assert [p for p, _ in got] == [r["problem"] for r in flat]  # exactly the problem, whitespace kept
 
 
