@@ -97,7 +97,7 @@ def test_two_ranks_and_other_micro_batches_equal_one_process(tiny, tmp_path, one
     it). A per-rank tau_h, a per-rank denominator, a count summed over ranks twice, or a fused pass that
     leaves mini-batch 0's old log p unset or computes the mask from other values breaks this."""
     d, _ = tiny
-    common = ("--steps", "3", "--tau-p", "0.9", "--micro-tokens", "64")
+    common = ("--steps", "3", "--tau-p", "0.99", "--micro-tokens", "64")  # S2T silences on any CPU kernels
     stapo.train(stapo.get_args(args_for(d, tmp_path / "one", *common)))
     run(args_for(d, tmp_path / "two", *common), nproc=2)
     stapo.train(stapo.get_args(args_for(d, tmp_path / "big", *common[:4], "--micro-tokens", "512")))
