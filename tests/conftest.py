@@ -45,6 +45,19 @@ def tiny_vllm_tied(tmp_path_factory):
     return warm_start(tmp_path_factory, "tiny_vllm_tied", hidden=128, tied=True)
 
 
+@pytest.fixture(scope="session")
+def vllm_engine():
+    """Skips a test that runs vLLM's CPU build where it cannot run: not installed, or on a CPU for which inductor
+    has no vector ISA (ATEN_CPU_CAPABILITY=default), where the C++ code inductor writes for vLLM's compiled
+    model does not build in torch 2.13."""
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM's CPU build is absent: pip install -r requirements-dev.txt")
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    if not pick_vec_isa():
+        pytest.skip("vLLM's compiled model does not build without a vector ISA (ATEN_CPU_CAPABILITY=default)")
+
+
 def pytest_collection_modifyitems(items):
     """The slow tests first (in their files' order): on test.sh's two workers the longest runs start at once
     instead of last, where one of them would leave the other worker idle at the end."""

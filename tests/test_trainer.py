@@ -296,10 +296,10 @@ def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path, monkeypatch):
             split.append(torch.equal(groups[analysis.SPURIOUS], silenced))
         return real_add(self, silenced, candidates, tau_h, entropy, low_p, adv, valid, tokens)
     monkeypatch.setattr(analysis.TokenAnalysis, "add", checked)
-    stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "2", "--log-silenced", "--tau-p", "0.9", "--analysis")))
+    stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "2", "--log-silenced", "--tau-p", "0.99", "--analysis")))
     assert split and all(split)
     cfg = json.load(open(tmp_path / "config.json"))
-    assert cfg["method"] == "stapo" and cfg["tau_p"] == 0.9 and cfg["world_size"] == 1
+    assert cfg["method"] == "stapo" and cfg["tau_p"] == 0.99 and cfg["world_size"] == 1
     m = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     need = {"reward_mean", "accuracy", "zero_variance_groups", "response_len_mean", "response_len_max", "truncated",
             "entropy_mean", "silenced_frac", "candidates", "tau_h", "clip_low", "clip_high", "grad_norm", "lr",
@@ -307,7 +307,9 @@ def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path, monkeypatch):
             "taxonomy/split", "grad_share/silenced_if_kept", *[f"grad_share/{k}" for k in analysis.SHARES],
             *[f"taxonomy/{g}/{k}" for g in analysis.GROUPS for k in ("tokens", "grad_norm", "dH")]}
     assert need <= m[0].keys() and not any(k.startswith("rollout_is") for k in m[0])  # off by default
-    assert m[0]["silenced_frac"] > 0 and m[0]["candidates"] > 0  # tau_p = 0.9 makes most tokens candidates
+    # tau_p = 0.99 makes most tokens candidates, and S2T silences some on any CPU's kernels (at 0.9, none in
+    # step 1 with ATEN_CPU_CAPABILITY=default)
+    assert m[0]["silenced_frac"] > 0 and m[0]["candidates"] > 0
     for x in m:  # the token analysis: shares of the gradient, and of the split tokens, each summing to one
         assert sum(x[f"grad_share/{k}"] for k in analysis.SHARES) == pytest.approx(1)
         assert x["taxonomy/split"] > 0 and sum(x[f"taxonomy/{g}/tokens"] for g in analysis.GROUPS) == pytest.approx(1)
@@ -318,7 +320,7 @@ def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path, monkeypatch):
     for step in (1, 2):  # one line per silenced token: silenced_frac * the step's 16 samples' valid tokens
         n_valid = m[step - 1]["response_len_mean"] * 16
         assert sum(x["step"] == step for x in sil) == round(m[step - 1]["silenced_frac"] * n_valid)
-    assert all(x["p"] < 0.9 for x in sil)
+    assert all(x["p"] < 0.99 for x in sil)
     assert all(len(x["left"]) <= 40 and len(x["right"]) <= 40 for x in sil)
 
 
@@ -1034,14 +1036,16 @@ def test_the_warm_up_is_verls_as_justrl_runs_it():
 
 def test_the_lm_heads_gradient_norm_is_logged_per_update(tiny, tmp_path, monkeypatch):
     """lm_head_grad_norm holds one number per update (--minibatches of them), each the norm of the LM head's
-    gradient before the update's clip. Breaks with the whole model's norm, a norm after the clip (clipped here
-    to 1e-6), or one number per step."""
+    gradient before the update's clip, at most the whole model's norm in that update (grad_norm is their mean
+    over the step). Breaks with the whole model's norm, a norm after the clip (clipped here to 1e-6), or one
+    number per step."""
     d, _ = tiny
-    heads, real_clip = [], torch.nn.utils.clip_grad_norm_
+    heads, wholes, real_clip = [], [], torch.nn.utils.clip_grad_norm_
 
     def clip(params, max_norm):  # the head's gradient as the clip finds it, then a clip to 1e-6
         heads.append(float(stapo_policy[0].lm.get_output_embeddings().weight.grad.full_tensor().norm()))
-        return real_clip(params, 1e-6)
+        wholes.append(real_clip(params, 1e-6))
+        return wholes[-1]
     stapo_policy, real_build = [], stapo.build_policy
     monkeypatch.setattr(stapo, "build_policy", lambda *a: stapo_policy.append(real_build(*a)) or stapo_policy[0])
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
@@ -1050,7 +1054,10 @@ def test_the_lm_heads_gradient_norm_is_logged_per_update(tiny, tmp_path, monkeyp
     assert [len(x["lm_head_grad_norm"]) for x in m] == [2, 2]
     assert [v for x in m for v in x["lm_head_grad_norm"]] == pytest.approx(heads, rel=1e-6)
     assert max(heads) > 1e-4  # above the clip: a norm read after it would be 1e-6 at most
-    assert all(x["grad_norm"] >= max(x["lm_head_grad_norm"]) for x in m)  # the head is part of the whole model
+    assert all(w >= h for w, h in zip(map(float, wholes), heads))  # the head is part of the whole model
+    # per update, not per step: an update whose gradient is 0 (every advantage 0) pulls the step's mean below
+    # another update's head norm (seen with ATEN_CPU_CAPABILITY=default)
+    assert [x["grad_norm"] for x in m] == pytest.approx([float(sum(wholes[:2])) / 2, float(sum(wholes[2:])) / 2])
 
 
 def test_a_signal_during_a_save_stops_at_that_steps_end(tiny, tmp_path, monkeypatch, capsys):
