@@ -1,5 +1,7 @@
+import getpass
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -7,6 +9,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference import toy_model  # noqa: E402  the one warm start of the tests
+
+# ATEN_CPU_CAPABILITY=avx2|default runs another CPU's kernels on this one. Inductor's and vLLM's compile caches do
+# not tell the settings apart: a kernel cached under one setting segfaulted (avx2) or did not build (default)
+# under another. So each setting compiles into caches of its own; the native one keeps the usual caches.
+CAPABILITY = os.environ.get("ATEN_CPU_CAPABILITY")
+if CAPABILITY:
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{CAPABILITY}"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.expanduser(f"~/.cache/vllm_{CAPABILITY}"))
 
 
 def warm_start(tmp_path_factory, name, **kw):
@@ -43,19 +54,6 @@ def tiny_vllm(tmp_path_factory):
 def tiny_vllm_tied(tmp_path_factory):
     """Its input embedding is its LM head, as in Qwen3-0.6B, 1.7B and 4B."""
     return warm_start(tmp_path_factory, "tiny_vllm_tied", hidden=128, tied=True)
-
-
-@pytest.fixture(scope="session")
-def vllm_engine():
-    """Skips a test that runs vLLM's CPU build where it cannot run: not installed, or on a CPU for which inductor
-    has no vector ISA (ATEN_CPU_CAPABILITY=default), where the C++ code inductor writes for vLLM's compiled
-    model does not build in torch 2.13."""
-    import importlib.util
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM's CPU build is absent: pip install -r requirements-dev.txt")
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-    if not pick_vec_isa():
-        pytest.skip("vLLM's compiled model does not build without a vector ISA (ATEN_CPU_CAPABILITY=default)")
 
 
 def pytest_collection_modifyitems(items):

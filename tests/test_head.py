@@ -144,10 +144,6 @@ def test_the_compiled_head_matches_the_eager_head_and_the_reference(monkeypatch,
     """The whole head with its per-chunk math compiled by inductor (on CPU here; on CUDA the same graphs go
     to Triton) against the buffered eager head and float64 log_softmax: values, sum pi^2 and gradients,
     collision on and off, a last chunk shorter than the others. Compiling takes about a minute here."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-    if not pick_vec_isa():  # the head then falls back to eager, with a warning (the fallback's own test)
-        pytest.skip("inductor's C++ code for a CPU without a vector ISA (here ATEN_CPU_CAPABILITY=default) does not "
-                    "build in torch 2.13: an int64 sum's lambda names undeclared variables")
     monkeypatch.setattr(head, "_compiled", {})
     h, w, y, coef = _case(dtype, m=300)
     ref = _reference(h, w, y, coef, 0.7)

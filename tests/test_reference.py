@@ -4,6 +4,7 @@ reward, S2T count, loss statistic, gradient norm and analysis figure as it was. 
 by nature and are left out. BASELINE's numbers come from its recording for this machine's warm start, or, on
 a machine with none, from BASELINE's own trainer run beside this tree's: the guard never skips. A change that
 alters what a key measures moves BASELINE to itself in the same commit, and says why."""
+import importlib.util
 import json
 import math
 import os
@@ -68,7 +69,7 @@ def test_the_toy_reference_runs_are_unchanged(tmp_path):
 
 
 @slow
-@pytest.mark.usefixtures("vllm_engine")  # conftest: skips where vLLM's CPU build cannot run
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM's CPU build is absent")
 def test_the_vllm_reference_run_is_unchanged(tmp_path):
     subprocess.run([sys.executable, reference.__file__, str(tmp_path), "vllm_2ranks"], check=True, timeout=900)
     assert_equal_runs("vllm_2ranks", tmp_path)

@@ -6,6 +6,7 @@ sleep/wake order is checked on tests/fake_vllm), bf16 weights, CUDA graphs, chun
 """
 import contextlib
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -23,7 +24,8 @@ import parallel
 import stapo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-real_vllm = pytest.mark.usefixtures("vllm_engine")  # conftest: skips where vLLM's CPU build cannot run
+real_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                               reason="vLLM's CPU build is absent: pip install -r requirements-dev.txt")
 pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves these out
 # test.sh runs the tests on two workers (pytest-xdist, --dist loadgroup), and this mark asks for one worker for the
 # real-engine tests; pytest-xdist 3.8 under pytest 9 does not group them (it marks a node id pytest 9 no longer
