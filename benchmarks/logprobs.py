@@ -152,5 +152,6 @@ def print_table(a, res, failed):
         print(f"chunked/trl: time {ratio(c['seconds'], t['seconds'], 2)}, "
               f"memory {ratio(c['peak_gb'], t['peak_gb'], 3)}")
 
+
 if __name__ == "__main__":
     main()
