@@ -296,7 +296,8 @@ def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path, monkeypatch):
             split.append(torch.equal(groups[analysis.SPURIOUS], silenced))
         return real_add(self, silenced, candidates, tau_h, entropy, low_p, adv, valid, tokens)
     monkeypatch.setattr(analysis.TokenAnalysis, "add", checked)
-    stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "2", "--log-silenced", "--tau-p", "0.99", "--analysis")))
+    stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "2", "--log-silenced", "--tau-p", "0.99",
+                                        "--analysis")))
     assert split and all(split)
     cfg = json.load(open(tmp_path / "config.json"))
     assert cfg["method"] == "stapo" and cfg["tau_p"] == 0.99 and cfg["world_size"] == 1
@@ -1055,7 +1056,7 @@ def test_the_lm_heads_gradient_norm_is_logged_per_update(tiny, tmp_path, monkeyp
     assert [v for x in m for v in x["lm_head_grad_norm"]] == pytest.approx(heads, rel=1e-6)
     assert max(heads) > 1e-4  # above the clip: a norm read after it would be 1e-6 at most
     assert all(w >= h for w, h in zip(map(float, wholes), heads))  # the head is part of the whole model
-    # per update, not per step: an update whose gradient is 0 (every advantage 0) pulls the step's mean below
+    # per update, not per step: an update whose gradient is 0 pulls the step's mean below
     # another update's head norm (seen with ATEN_CPU_CAPABILITY=default)
     assert [x["grad_norm"] for x in m] == pytest.approx([float(sum(wholes[:2])) / 2, float(sum(wholes[2:])) / 2])
 
