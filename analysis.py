@@ -58,28 +58,14 @@ def token_groups(low_p, adv, entropy, valid, tau_h):
     return {g: m & valid for g, m in zip(GROUPS, masks)}
 
 
-def analyse(analysis, logp, entropy, collision, old_logp, adv, valid, keep, denom, silenced, candidates,
-            tau_h, w=None):
-    """One mini-batch into `analysis` (a TokenAnalysis), from plain [n, T] tensors: the current policy's log
-    p, H and sum pi^2, the old log p, the advantages adv [n], the valid mask, the loss's keep and denominator,
-    S2T's silenced set, its candidates and tau_h (None: no candidate on any rank), and --rollout-is's weights
-    w (None: off), already in keep. Adds the norm of the gradient the loss applies to each token's logits, and
-    of the one it would apply with S2T's set kept (under stapo, every valid token back at its weight); each
-    token's policy-gradient norm and entropy change (the paper's identity and lemma, with w = ratio * A,
-    before the clips and S2T)."""
-    adv = adv[:, None].expand_as(logp)
-    unsilenced = keep if analysis.method != "stapo" else valid.float() if w is None else valid * w
-    norm = lambda w: logit_gradient_norm(logp, collision, w, analysis.temperature)  # noqa: E731
-    applied, if_kept = (loss_token_weight(logp, old_logp, adv, k, denom, *analysis.clip)
-                        for k in (keep, unsilenced))
-    weight = (logp - old_logp).exp() * adv  # ratio * A
-    tokens = (norm(applied), norm(if_kept), norm(weight), entropy_change(logp, entropy, weight))
-    analysis.add(silenced, candidates, tau_h, entropy, logp.exp() < analysis.tau_p, adv, valid, tokens)
+# The sums a step adds up over its mini-batches and ranks (metrics.StepMetrics), from which row() computes
+KEYS = [*[f"g2/{k}" for k in SHARES], "g2/silenced_if_kept", "nonzero", "split",
+        *[f"{g}/{k}" for g in GROUPS for k in ("n", "norm", "dH")]]
 
 
 class TokenAnalysis:
-    """A step's token-level view, as sums over this rank's tokens (metrics.StepMetrics sums them over ranks
-    and asks row() for the metrics). Each mini-batch adds (analyse):
+    """The token-level view of a mini-batch, as sums over this rank's tokens (KEYS; metrics.StepMetrics adds
+    them up over the step's mini-batches and ranks, and asks row() for the metrics):
       - each set's sum of ||grad_a||^2 under the gradient the loss applies (S2T's silenced set, its other
         candidates, the rest), and the silenced set's sum under the gradient it would get if kept;
       - the eight groups' token counts, sums of the policy-gradient norm and of the entropy change, in the
@@ -89,24 +75,38 @@ class TokenAnalysis:
 
     def __init__(self, method, clip, tau_p, temperature):
         self.method, self.clip, self.tau_p, self.temperature = method, clip, tau_p, temperature
-        keys = [*[f"g2/{k}" for k in SHARES], "g2/silenced_if_kept", "nonzero", "split"]
-        self.sums = dict.fromkeys(keys + [f"{g}/{k}" for g in GROUPS for k in ("n", "norm", "dH")], 0.0)
 
-    def add(self, silenced, candidates, tau_h, entropy, low_p, adv, valid, tokens):
-        """S2T's silenced set, its candidates, tau_h and the entropies it split; low_p = p < tau_p; tokens:
-        [N, T] norms of the applied gradient, of the gradient were S2T's set kept, of the policy-gradient
-        term (w = ratio * A), and the entropy change."""
+    def sums(self, now, old_logp, adv, valid, keep, denom, s2t, w):
+        """One mini-batch's sums from its [n, T] tensors: now, the current policy's log p, H and sum pi^2 (a
+        policy.TokenStats); the old log p; the advantages adv [n]; the valid mask; the loss's keep (w in it) and
+        denominator; S2T's result (stapo.SpuriousTokens: its silenced set, its candidates and tau_h, None
+        where no rank has a candidate); --rollout-is's weights w (1 when off). The norm of the gradient the
+        loss applies to each token's logits, and of the one it would apply with S2T's set kept (under stapo,
+        every valid token back at its weight); each token's policy-gradient norm and entropy change (the
+        paper's identity and lemma, with w = ratio * A, before the clips and S2T)."""
+        logp, adv = now.logp, adv[:, None].expand_as(now.logp)
+        unsilenced = keep if self.method != "stapo" else valid * w
+        norm = lambda weight: logit_gradient_norm(logp, now.collision, weight, self.temperature)  # noqa: E731
+        applied, if_kept = (loss_token_weight(logp, old_logp, adv, k, denom, *self.clip) for k in (keep, unsilenced))
+        weight = (logp - old_logp).exp() * adv  # ratio * A
+        tokens = (norm(applied), norm(if_kept), norm(weight), entropy_change(logp, now.entropy, weight))
+        return self.split(s2t.silenced, s2t.candidates, s2t.tau_h, now.entropy, logp.exp() < self.tau_p, adv,
+                          valid, tokens)
+
+    def split(self, silenced, candidates, tau_h, entropy, low_p, adv, valid, tokens):
+        """The sums by set and group: S2T's silenced set, its candidates, tau_h and the entropies it split;
+        low_p = p < tau_p; tokens: [N, T] norms of the applied gradient, of the gradient were S2T's set kept,
+        of the policy-gradient term (w = ratio * A), and the entropy change."""
         applied, if_kept, norm, change = tokens
         parts = [silenced, candidates & ~silenced, valid & ~candidates]
-        add = {f"g2/{k}": applied[m].square().sum() for k, m in zip(SHARES, parts)}
-        add["g2/silenced_if_kept"] = if_kept[silenced].square().sum()
-        add["nonzero"] = (valid & (adv != 0)).sum()
+        sums = {f"g2/{k}": applied[m].square().sum() for k, m in zip(SHARES, parts)}
+        sums["g2/silenced_if_kept"] = if_kept[silenced].square().sum()
+        sums["nonzero"] = (valid & (adv != 0)).sum()
         if tau_h is not None:
-            add["split"] = add["nonzero"]
+            sums["split"] = sums["nonzero"]
             for g, m in token_groups(low_p, adv, entropy, valid, tau_h).items():
-                add.update({f"{g}/n": m.sum(), f"{g}/norm": norm[m].sum(), f"{g}/dH": change[m].sum()})
-        for key, value in add.items():
-            self.sums[key] += float(value)
+                sums.update({f"{g}/n": m.sum(), f"{g}/norm": norm[m].sum(), f"{g}/dH": change[m].sum()})
+        return sums
 
     @staticmethod
     def row(n):

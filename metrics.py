@@ -10,10 +10,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from analysis import KEYS, TokenAnalysis
 from parallel import all_reduce_numbers
 
 SUMS = ("samples", "correct", "reward", "flat_groups", "tokens", "valid", "entropy", "truncated",
-        "gap_n", "gap", "silenced", "kept", "clip_low", "clip_high", "is_n", "is_sum", "skipped")
+        "gap_n", "gap", "silenced", "kept", "clip_low", "clip_high", "is_n", "is_sum")
 
 
 def memory_peak():
@@ -42,15 +43,21 @@ def vllm_pool_bytes():
 
 
 class StepMetrics:
-    """One step's bookkeeping. Per-rank counts are summed over ranks once, in finish(); the S2T
-    numbers and grad norms are already global (the same on every rank) and are kept as they are."""
+    """One step's bookkeeping. Per-rank counts are summed over ranks once, in finish(); the S2T numbers, the
+    grad norms and the skipped updates are already global (the same on every rank) and are kept as they are.
+    tok: the silenced tokens are kept in their context; analysis: the token-level view's settings (clip,
+    tau_p, temperature: analysis.TokenAnalysis), or None; layer_calls: policy.EAGER_LAYER_CALLS where the
+    decoder layers are compiled (the step counts the calls that ran eager instead), or None."""
 
-    def __init__(self, step, tok=None, analysis=None):
-        self.step, self.tok, self.silenced = step, tok, []  # with a tokenizer, silenced tokens are kept
-        self.sums, self.analysis = dict.fromkeys(SUMS, 0.0), analysis  # analysis.TokenAnalysis, or None
-        self.candidates, self.tau_h, self.norms, self.peaks = 0, [], [], {}
+    def __init__(self, step, method, tok=None, analysis=None, layer_calls=None):
+        self.step, self.method, self.tok, self.silenced = step, method, tok, []
+        self.sums = dict.fromkeys(SUMS, 0.0)
+        self.analysis = TokenAnalysis(method, *analysis) if analysis else None
+        self.analysed = dict.fromkeys(KEYS, 0.0) if analysis else {}
+        self.candidates, self.tau_h, self.norms, self.peaks, self.skips = 0, [], [], {}, 0
         self.is_min, self.is_max, self.t0 = float("inf"), float("-inf"), time.time()
         self.longest, self.gap_max, self.t_rollout = 0, 0.0, 0.0  # the longest response, the largest gap
+        self.layer_calls, self.eager_from = layer_calls, layer_calls[0] if layer_calls else None
 
     def add(self, **counts):
         accumulate(self.sums, counts)
@@ -68,18 +75,17 @@ class StepMetrics:
         self.longest, self.t_rollout = max(len(s.tokens) for s in samples), time.time() - self.t0
         self.peak("rollout")
 
-    def old_policy(self, valid, old, sampler):
+    def old_policy(self, valid, old, sampler, rho):
         """The old policy's entropy (old: its TokenStats); |sampler log p - trainer log p| (it jumps if a sync
-        breaks; sampler None: the engine reports no log-probs)."""
+        breaks; sampler None: the engine reports no log-probs); --rollout-is's ratios pi_old / pi_sampler, per
+        token or per response (none without it)."""
         gap = torch.zeros(0) if sampler is None else (sampler - old.logp)[valid].abs()
-        self.add(valid=valid.sum(), entropy=old.entropy[valid].sum(), gap_n=gap.numel(), gap=gap.sum())
+        self.add(valid=valid.sum(), entropy=old.entropy[valid].sum(), gap_n=gap.numel(), gap=gap.sum(),
+                 is_n=rho.numel(), is_sum=rho.sum())
         self.gap_max = float(gap.max()) if gap.numel() else 0.0
+        if rho.numel():
+            self.is_min, self.is_max = float(rho.min()), float(rho.max())
         self.peak("old_policy")
-
-    def importance(self, rho):
-        """--rollout-is: the ratios pi_old / pi_sampler (per token, or per response)."""
-        self.add(is_n=rho.numel(), is_sum=rho.sum())
-        self.is_min, self.is_max = min(self.is_min, float(rho.min())), max(self.is_max, float(rho.max()))
 
     def loss_stats(self, stats):
         """An update's stapo_loss statistics, one dict of tensors per micro-batch, read from the device at
@@ -90,21 +96,26 @@ class StepMetrics:
             self.add(kept=kept, clip_low=low * kept, clip_high=high * kept)
 
     def skipped(self, norm):
-        """An update skipped: its gradient norm was not finite (the weights stay as they were)."""
-        self.add(skipped=1)
+        """An update skipped: its gradient norm was not finite (the weights stay as they were). The norm is
+        global, so every rank skips it and counts it once."""
+        self.skips += 1
         if dist.get_rank() == 0:
             print(f"step {self.step + 1}: the gradient norm is {norm}; this update is skipped",
                   file=sys.stderr)
 
-    def minibatch(self, method, s2t, norms, rows, idx, now):
-        """A mini-batch's update: its gradient norms, S2T's counts, and its silenced tokens (now: the
-        TokenStats S2T judged them by)."""
+    def minibatch(self, batch, mb, s2t, now, norms):
+        """A mini-batch's update (mb: stapo.MiniBatch, of the step's stapo.Batch): its gradient norms, S2T's
+        counts (s2t: stapo.SpuriousTokens, judged by the TokenStats now), its silenced tokens, and with
+        --analysis the token-level view."""
         self.norms.append(norms)  # the update's gradient norms: the whole model's, the LM head's
-        self.add(silenced=s2t.silenced.sum() if method == "stapo" else 0)
+        self.add(silenced=s2t.silenced.sum() if self.method == "stapo" else 0)
         self.candidates += s2t.n_candidates
         self.tau_h += [s2t.tau_h] if s2t.tau_h is not None else []
-        if self.tok is not None and method == "stapo":
-            self.silenced += silenced_records(self.step, self.tok, rows, idx, s2t.silenced, now)
+        if self.tok is not None and self.method == "stapo":
+            self.silenced += silenced_records(self.step, self.tok, batch.rows, mb.idx, s2t.silenced, now)
+        if self.analysis:  # --analysis (not the paper's): measures the mini-batch, changes nothing
+            valid, w = batch.valid[mb.idx], batch.weight[mb.idx]
+            accumulate(self.analysed, self.analysis.sums(now, mb.old_logp, mb.adv, valid, mb.keep, mb.denom, s2t, w))
 
     def finish(self, lr, probe_gap, group_size):
         """The step's row of metrics.jsonl (the same on every rank), and this rank's silenced tokens."""
@@ -112,24 +123,25 @@ class StepMetrics:
         grad, head = zip(*self.norms)
         row = {"step": self.step + 1, **rollout_row(n, top["longest"], group_size), **s2t_row(self, n),
                "lr": lr, "grad_norm": sum(grad) / len(grad), "lm_head_grad_norm": list(head),
-               "skipped_updates": int(n["skipped"])}
+               "skipped_updates": self.skips}
         peaks = [top[f"peak_gb/{phase}"] for phase in self.peaks]
         row.update(sync_row(n, top["gap_max"], probe_gap), **resources_row(self, n["tokens"], peaks))
         row.update(importance_row(n, is_min, top["is_max"]))
         row.update(self.analysis.row(analysed) if self.analysis else {})
+        row.update(layers_row(self, top["eager_layer_calls"]) if self.layer_calls else {})
         return row, self.silenced
 
 
 def over_ranks(m):
     """A step's sums over all ranks (its own and the analysis's), its maxima by name (the longest response,
     the largest gap and rollout-IS ratio, each phase's memory peak) and the smallest rollout-IS ratio."""
-    analysis = m.analysis.sums if m.analysis else {}
-    summed = all_reduce_numbers(*m.sums.values(), *analysis.values())
-    maxima = {"longest": m.longest, "gap_max": m.gap_max, "is_max": m.is_max,
+    summed = all_reduce_numbers(*m.sums.values(), *m.analysed.values())
+    eager = m.layer_calls[0] - m.eager_from if m.layer_calls else 0
+    maxima = {"longest": m.longest, "gap_max": m.gap_max, "is_max": m.is_max, "eager_layer_calls": eager,
               **{f"peak_gb/{phase}": gb for phase, gb in m.peaks.items()}}
     top = dict(zip(maxima, all_reduce_numbers(*maxima.values(), op=dist.ReduceOp.MAX)))
     is_min = all_reduce_numbers(m.is_min, op=dist.ReduceOp.MIN)[0]
-    return dict(zip(SUMS, summed)), dict(zip(analysis, summed[len(SUMS):])), top, is_min
+    return dict(zip(SUMS, summed)), dict(zip(m.analysed, summed[len(SUMS):])), top, is_min
 
 
 def accumulate(sums, counts):
@@ -178,6 +190,16 @@ def resources_row(m, tokens, peaks):
     row = {"rollout_s": m.t_rollout, "train_s": step_s - m.t_rollout, "step_s": step_s,
            "tokens_per_s": tokens / step_s}
     return {**row, **{f"peak_gb/{phase}": gb for phase, gb in zip(m.peaks, peaks)}}
+
+
+def layers_row(m, eager):
+    """Compiled layers: the decoder-layer calls of the step that ran eager on the rank with the most (0 when
+    every call ran compiled), and one line on stderr when some did."""
+    if eager and dist.get_rank() == 0:
+        print(f"step {m.step + 1}: {int(eager)} decoder-layer calls ran eager although the layers are compiled "
+              "(a graph that failed to compile, or dynamo's recompile limit; eager_layer_calls in "
+              "metrics.jsonl counts them); --compile-layers off runs all eager", file=sys.stderr)
+    return {"eager_layer_calls": int(eager)}
 
 
 def importance_row(n, is_min, is_max):

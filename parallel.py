@@ -84,11 +84,16 @@ def gather_cat(x):
     return torch.cat(gather(x.cpu()))
 
 
+def full_tensor(x):
+    """The whole of a tensor FSDP2 shards over ranks (a DTensor: a collective), or x itself."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
 def require_shared(sees, out, what):
-    """Raise on every rank at once (no rank is left waiting in a collective) if one `sees` not."""
+    """Stop every rank at once (no rank is left waiting in a collective) if one `sees` not: a user's error."""
     blind = [r for r, ok in enumerate(gather(bool(sees))) if not ok]
     if blind:
-        raise RuntimeError(f"--out {out}: rank(s) {blind} {what}. On several nodes, --out must be "
+        raise UserError(f"--out {out}: rank(s) {blind} {what}. On several nodes, --out must be "
                            "a folder every node sees (a shared filesystem): each rank writes its "
                            "shard of every checkpoint there, and --resume reads them all back")
 

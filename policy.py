@@ -3,16 +3,21 @@ forward gives each response token's log p and entropy (head.ChunkedHead: never t
 checkpoint read once; and the micro-batched passes of stapo.py's step over it.
 """
 import math
+import warnings
 from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.exc import RestartAnalysis, SkipFrame
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from head import ChunkedHead
-from parallel import all_reduce_numbers
+from parallel import all_reduce_numbers, full_tensor
 
 
 # ---- the model -----------------------------------------------------------------------------------
@@ -56,12 +61,12 @@ def refuse_unusual_head(lm, path):
                          "so it is refused")
 
 
-def build_policy(path, mesh, device, dtype=torch.float32, compiled=False, checkpointing=True):
+def build_policy(path, mesh, device, dtype=torch.float32, compiled=False, checkpointing="full"):
     """fp32 master weights sharded by FSDP2 per decoder layer, then the root; `dtype` is the compute
     dtype (--dtype bf16: bf16 forward and backward, gradients reduced in fp32). Every rank builds
     the model on the meta device; only rank 0 reads the checkpoint into host memory, and the shards
-    are filled by broadcast from it (8 ranks do not hold 8 full copies). compiled: compile_layers;
-    checkpointing: each layer's activations recomputed in the backward (set_checkpointing)."""
+    are filled by broadcast from it (8 ranks do not hold 8 full copies). checkpointing: set_checkpointing;
+    compiled: compile_layers."""
     config = AutoConfig.from_pretrained(path)
     export_dtype = getattr(config, "dtype", None) or torch.float32  # save_hf exports this dtype
     with torch.device("meta"):
@@ -88,14 +93,53 @@ def build_policy(path, mesh, device, dtype=torch.float32, compiled=False, checkp
     return policy.train()
 
 
-def set_checkpointing(lm, on):
-    """Activation checkpointing of each decoder layer: its activations are recomputed in the backward (on),
-    or kept from the forward (off: the update about 16% faster, at about twice its peak memory; 1.7B on an
-    H200, docs/performance.md)."""
-    if on:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        lm.gradient_checkpointing_disable()
+def build_optimizer(policy, lr, weight_decay):
+    """AdamW over the policy's sharded parameters: fused (one kernel per step) on a GPU, foreach on a CPU."""
+    one_kernel = dict(fused=True) if next(policy.parameters()).device.type == "cuda" else dict(foreach=True)
+    return torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=weight_decay, **one_kernel)
+
+
+# ---- the decoder layers: checkpointed, compiled -------------------------------------------------
+
+# Selective checkpointing keeps these ops' outputs from the forward, and recomputes the rest of a layer (its
+# norms, RoPE, SwiGLU's activation, the residual adds): the matmuls and attention, the costly part, run once.
+SAVED_BY_SELECTIVE = {getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")}
+
+
+def keep_matmuls(ctx, op, *args, **kwargs):
+    """The selective policy: keep the outputs of SAVED_BY_SELECTIVE's ops, recompute the others."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+CHECKPOINTING = {  # --checkpointing: torch.utils.checkpoint's keywords for each layer, or None (off)
+    "full": {},  # every activation of the layer recomputed in the backward
+    "selective": {"context_fn": partial(create_selective_checkpoint_contexts, keep_matmuls)},
+    "off": None,  # every activation kept from the forward
+}
+
+
+def set_checkpointing(lm, mode):
+    """Activation checkpointing of each decoder layer (--checkpointing): full, selective or off (CHECKPOINTING).
+    Each layer's forward runs through run_layer, inside what compile_layers compiles, so a compiled layer's
+    backward recomputes what the checkpoint dropped in its own graph."""
+    for layer in lm.get_decoder().layers:
+        layer.forward = partial(run_layer, type(layer).forward.__get__(layer), CHECKPOINTING[mode])
+
+
+EAGER_LAYER_CALLS = [0]  # decoder-layer calls that ran outside a compiled graph (run_layer counts them)
+
+
+def run_layer(forward, checkpointing, *args, **kwargs):
+    """A decoder layer's forward as the policy runs it: under activation checkpointing (with the keywords
+    `checkpointing`; None: off) when it builds a graph for a backward, and counted in EAGER_LAYER_CALLS when
+    it runs outside a compiled graph (a compiled layer that fell back, or eager layers)."""
+    if not torch.compiler.is_compiling():
+        EAGER_LAYER_CALLS[0] += 1
+    if checkpointing is None or not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **checkpointing, **kwargs)
 
 
 def layers_compiled(flag, device):
@@ -103,49 +147,74 @@ def layers_compiled(flag, device):
     return flag == "on" or (flag == "auto" and device.type == "cuda")
 
 
+def layers_are_compiled(lm):
+    """Whether compile_layers compiled the decoder layers."""
+    return all(layer._compiled_call_impl is not None for layer in lm.get_decoder().layers)
+
+
+# A run's compiled layers make a few cache entries on run_layer's one code object, all in its first step:
+# grad on and off, a micro-batch of one sample and of more (dynamic shapes still specialise a size of 1), a
+# length first compiled equal to another size of the layer (dynamo's duck sizing). Past this limit a variant
+# runs eager for the rest of the run (counted in eager_layer_calls); torch's default is 8.
+RECOMPILE_LIMIT = 64
+
+
 def compile_layers(lm, on, backend="inductor"):
     """torch.compile of each decoder layer, in place (on), or eager again (off). The compiled layer fuses
-    its norms, RoPE, SwiGLU and residual adds; shapes are dynamic (micro-batches differ in length), FSDP2's
-    hooks run eager (dynamo skips them), and the parameters' names stay as they were (checkpoints, syncs).
-    On an H200 at 1.7B: the update 27% faster, the old-policy pass 36% (docs/performance.md)."""
+    its norms, RoPE, SwiGLU and residual adds, and its checkpoint's recompute (set_checkpointing); shapes are
+    dynamic (micro-batches differ in length), FSDP2's hooks run eager (dynamo skips them), and the parameters'
+    names stay as they were (checkpoints, syncs). A graph that fails to compile runs eager, with one warning."""
     for layer in lm.get_decoder().layers:
         if on:
-            layer.compile(dynamic=True, backend=backend)
+            layer.compile(dynamic=True, backend=eager_on_failure(backend), recompile_limit=RECOMPILE_LIMIT)
         else:
             layer._compiled_call_impl = None  # what nn.Module.compile sets; None: the eager forward
+
+
+def eager_on_failure(backend):
+    """`backend` (a name or a compiler), whose failure on a graph warns once and runs that graph eager."""
+    compile_graph = torch._dynamo.lookup_backend(backend)
+
+    def compile_or_eager(graph, example_inputs):
+        try:
+            return compile_graph(graph, example_inputs)
+        except (torch.OutOfMemoryError, RestartAnalysis, SkipFrame):  # dynamo's own signals pass through
+            raise
+        except Exception as e:  # noqa: BLE001  (a compiler that fails on this graph: the layers run eager)
+            if not COMPILE_FAILED:
+                warnings.warn(f"policy.py: torch.compile of a decoder layer failed; that layer graph runs eager, "
+                              f"slower ({type(e).__name__}: {' '.join(str(e).split())[:200]}). "
+                              "--compile-layers off runs every layer eager from the start")
+            COMPILE_FAILED.append(e)
+            return graph.forward
+    return compile_or_eager
+
+
+COMPILE_FAILED = []  # the errors of decoder-layer graphs that failed to compile
 
 
 def head_grad_norm(policy):
     """||grad|| of the LM head's weight (a tied head's: the embedding's, both uses summed), before any clip.
     One number per update: the warning sign when one rollout batch feeds several updates (Dynamic Gradient
     Gating, a paper that cites STAPO)."""
-    norm = policy.lm.get_output_embeddings().weight.grad.norm()
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return float(full_tensor(policy.lm.get_output_embeddings().weight.grad.norm()))
 
 
 # ---- the policy's passes over a batch ------------------------------------------------------------
 
-# A micro-batch's fixed cost (its launches; FSDP's all-gathers and reduce-scatters), in budgets, that runs
-# weighs against the padding a cut saves: on CUDA. On CPU none: the fewest micro-batches that fit, the cut
-# every CPU figure was recorded with (another cut moves a tiny model's trajectory in its last bits).
-MICRO_BATCH_COST = {"cuda": 1 / 16}
+# A micro-batch's fixed cost in tokens, as a share of --micro-tokens: its launches, FSDP's all-gathers and
+# reduce-scatters. cut_by_length weighs it against the padding a cut saves (docs/performance.md: padding).
+MICRO_BATCH_COST = 1 / 16
 
 
-def runs(lengths, budget, cost=None):
-    """Cut `lengths`, sorted shortest first, into consecutive runs of at most `budget` padded tokens (a run is
-    padded to its last, its longest; a length over the budget runs alone): a list of slices. cost None: the
-    fewest runs, each as long as fits. A number: the tokens computed, padding included, plus `cost` x budget
-    tokens for each run, fewest (an exact dynamic programme over the cut points): on a long tail, a few more
-    micro-batches and half the padding (docs/performance.md)."""
-    if cost is None:
-        out, start = [], 0
-        for end in range(1, len(lengths) + 1):  # the run [start, end), padded to lengths[end - 1]
-            if end - start > 1 and lengths[end - 1] * (end - start) > budget:
-                out.append(slice(start, end - 1))
-                start = end - 1
-        return out + [slice(start, len(lengths))] if lengths else []
+def cut_by_length(lengths, budget, cost=MICRO_BATCH_COST):
+    """Cut `lengths`, sorted shortest first, into consecutive micro-batches of at most `budget` padded tokens
+    (each padded to its last, its longest; a length over the budget alone): a list of slices. The cut computes
+    the fewest tokens, padding included, plus `cost` x budget for each micro-batch: an exact dynamic programme
+    over the cut points. On a long tail it makes a few more micro-batches and half the padding of the fewest
+    that fit."""
     best, cut = [0.0] + [math.inf] * len(lengths), [0] * (len(lengths) + 1)
-    for end in range(1, len(lengths) + 1):  # best[end]: the first `end` lengths, the last run [start, end)
+    for end in range(1, len(lengths) + 1):  # best[end]: the first `end` lengths, the last cut [start, end)
         for start in range(end - 1, -1, -1):
             if end - start > 1 and (end - start) * lengths[end - 1] > budget:
                 break
@@ -159,17 +228,22 @@ def runs(lengths, budget, cost=None):
     return out[::-1]
 
 
-def micro_batches(rows, idx, budget, device):
+class MicroBatch(NamedTuple):
+    part: slice     # its samples: a slice of the mini-batch's idx
+    idle: bool      # a rank with fewer micro-batches than another runs its first sample, for nothing
+
+
+def micro_batches(rows, idx, budget):
     """Split idx, sample indices sorted by length (shortest first, as split_minibatches gives them), into
-    runs of at most `budget` padded tokens (similar lengths share a micro-batch, so little of it is padding;
-    `runs`, at `device`'s MICRO_BATCH_COST): a list of slices of idx, the same count on every rank (FSDP's
-    collectives need it); a rank with fewer runs empty ones (None)."""
+    micro-batches of at most `budget` padded tokens (cut_by_length: similar lengths share one, so little of it
+    is padding). Every rank gets the same count (FSDP's collectives need it): a rank with fewer runs idle ones,
+    its first sample computed and weighed 0."""
     n = [len(rows[i][0]) + len(rows[i][1]) for i in idx]
     if n != sorted(n):
         raise ValueError("policy.micro_batches: idx must be sorted by length, shortest first")
-    out = runs(n, budget, MICRO_BATCH_COST.get(device.type))
+    out = [MicroBatch(part, False) for part in cut_by_length(n, budget, MICRO_BATCH_COST)]
     count = int(all_reduce_numbers(len(out), op=dist.ReduceOp.MAX)[0])
-    return out + [None] * (count - len(out))
+    return out + [MicroBatch(slice(0, 1), True)] * (count - len(out))
 
 
 @dataclass
@@ -225,10 +299,11 @@ def to_device(x, device):
 @torch.no_grad()
 def token_stats(policy, rows, idx, valid, micro_tokens, temperature, collision=False):
     """The TokenStats of mini-batch idx without a graph (its log p, H and, if asked, sum pi^2), computed in
-    the micro-batches stapo.update runs it in: the same shapes, so the same numbers for the same weights."""
+    the micro-batches stapo.update runs it in: the same shapes, so the same numbers for the same weights
+    (with eager layers; docs/training.md: compiled layers)."""
     out = TokenStats.zeros((len(idx), valid.shape[1]), valid.device, collision)
-    for part in micro_batches(rows, idx, micro_tokens, valid.device):
-        stats = response_logprobs(policy, rows, idx[part or slice(1)], valid, temperature, collision)
-        if part:  # None: this rank has fewer micro-batches than another, and runs one sample for nothing
+    for part, idle in micro_batches(rows, idx, micro_tokens):
+        stats = response_logprobs(policy, rows, idx[part], valid, temperature, collision)
+        if not idle:
             out[part] = stats
     return out

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, StaticCache
 
+from parallel import full_tensor
+
 
 @dataclass
 class Sample:
@@ -57,12 +59,12 @@ def sample_token(logits, u, temperature, top_p=1.0):
 class HFEngine:
     """Sampling on a private copy of the model, decoded by a short KV-cache loop of our own."""
 
-    def __init__(self, model_path, device, dtype, eos_token_id):
+    def __init__(self, model_path, device, dtype, eos_token_id, for_training=False):
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
         eos = self.model.generation_config.eos_token_id  # may list several (Qwen3: <|im_end|>, <|endoftext|>)
         self.eos = {eos_token_id} | set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.device, self.dtype = device, dtype
-        self.parked = None  # asleep on CUDA: the weights, in host memory (park)
+        self.device, self.dtype, self.for_training = device, dtype, for_training
+        self.parked = None  # asleep on CUDA: the weights in host memory (park); {}: dropped, in training
 
     @torch.inference_mode()  # no autograd bookkeeping at all: a tenth of a small model's decode step
     def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, progress=False, logprobs=True):
@@ -102,8 +104,18 @@ class HFEngine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors):
-        self.wake()
+        """The trainer's weights, copied in; into an engine whose weights its sleep dropped (training on
+        CUDA), each made anew on the device from the tensor pushed, with no copy through host memory."""
         params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied lm_head has its name
+        if self.parked == {}:
+            for name, tensor in named_tensors:
+                params[name].data = tensor.to(self.device, self.dtype, copy=True)
+            self.parked = None
+            missing = [name for name, p in params.items() if p.numel() == 0]
+            if missing:
+                raise RuntimeError(f"HF engine: the weight sync left {len(missing)} weights unset ({missing[0]}, ...)")
+            return
+        self.wake()
         for name, tensor in named_tensors:
             params[name].copy_(tensor)
 
@@ -115,22 +127,26 @@ class HFEngine:
         return logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0].tolist()
 
     def sleep(self):
-        """Rollout over. On CUDA the weights go to host memory and torch's cached blocks back to the driver,
-        so the trainer, or eval.py's judge in a process of its own, can have that memory; the next call
-        brings them back (bit for bit). On the CPU nothing moves."""
+        """Rollout over. On CUDA the weights leave the device and torch's cached blocks go back to the driver,
+        so the trainer, or eval.py's judge in a process of its own, can have that memory. In training they are
+        dropped (the next sync writes every one of them anew: load_weights); otherwise they wait in host memory
+        and the next call brings them back, bit for bit. On the CPU nothing moves."""
         if self.device.type == "cuda":
-            self.park()
+            self.park(keep=not self.for_training)
             torch.cuda.empty_cache()
 
-    def park(self):
-        """Each weight copied to host memory, and its tensor on the device replaced by an empty one."""
+    def park(self, keep=True):
+        """Each weight's tensor on the device replaced by an empty one, after a copy to host memory (keep)."""
         if self.parked is None:
             params = list(self.model.named_parameters())  # a tied weight once
-            self.parked = {name: p.detach().to("cpu", copy=True) for name, p in params}
+            self.parked = {name: p.detach().to("cpu", copy=True) for name, p in params} if keep else {}
             for _, p in params:
                 p.data = p.data.new_empty(0)
 
     def wake(self):
+        if self.parked == {}:
+            raise RuntimeError("HF engine: its weights were dropped at its sleep, for training; a weight sync "
+                               "(load_weights) brings them back")
         if self.parked is not None:
             for name, p in self.model.named_parameters():
                 p.data = self.parked[name].to(self.device)
@@ -286,8 +302,7 @@ def full_params(lm, dtype):
     shard is cast to the engine's dtype before the all-gather: bf16 halves traffic and memory. A
     tied lm_head goes under its own name too: vLLM reloads each layer from the names it receives."""
     for name, p in lm.named_parameters(remove_duplicate=False):
-        p = p.detach().to(dtype)
-        yield name, p.full_tensor() if hasattr(p, "full_tensor") else p
+        yield name, full_tensor(p.detach().to(dtype))
 
 
 def sampler_logprobs(samples, valid):
@@ -313,7 +328,7 @@ def make_engine(kind, model, tok, device, max_model_len, gpu_memory_utilization,
     dtype = dtype or compute_dtype("auto", device)
     if engine_kind(kind, device) == "vllm":
         return VLLMEngine(model, max_model_len, gpu_memory_utilization, for_training, dtype)
-    return HFEngine(model, device, dtype, tok.eos_token_id)
+    return HFEngine(model, device, dtype, tok.eos_token_id, for_training)
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

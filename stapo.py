@@ -20,19 +20,18 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
-from analysis import TokenAnalysis, analyse
 from checkpoint import StopAtStepEnd, load_checkpoint, save_hf, used_out
 from evaluation import PRESETS as EVAL_PRESETS, EvalOptions, evaluate_during_training, longest_prompt
 from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after
-from parallel import (UserError, all_reduce_numbers, check_shared_out, gather, gather_cat, init_distributed,
-                      refuse_used_out, require_model, run_program)
-from policy import (TokenStats, build_policy, head_grad_norm, layers_compiled, micro_batches,
-                    response_logprobs, token_stats)
+from parallel import (UserError, all_reduce_numbers, check_shared_out, full_tensor, gather, gather_cat,
+                      init_distributed, refuse_used_out, require_model, run_program)
+from policy import (EAGER_LAYER_CALLS, TokenStats, build_optimizer, build_policy, head_grad_norm,
+                    layers_are_compiled, layers_compiled, micro_batches, response_logprobs, token_stats)
 from problems import encode_problems, load_problems, probe_tokens, seed_of, step_prompts
 from reward import score_all
-from rollout import compute_dtype, full_params, make_engine, sampler_logprobs
+from rollout import compute_dtype, engine_kind, full_params, make_engine, sampler_logprobs
 from rollout_is import rollout_is_weights
-from stapo_core import group_advantages, quantile, s2t_candidates, s2t_mask, s2t_threshold, stapo_loss
+from stapo_core import group_advantages, quantile, s2t_candidates, s2t_silence, s2t_threshold, stapo_loss
 
 
 # ---- the flags -----------------------------------------------------------------------------------
@@ -83,6 +82,9 @@ FLAGS = {
         ("micro_tokens", 16384, "padded tokens per forward and backward"),
         ("compile_layers", "auto", "torch.compile of each decoder layer (auto: on CUDA)",
          ["auto", "on", "off"]),
+        ("checkpointing", "full", "each decoder layer's activations in the backward: recomputed (full), the "
+         "matmuls' and attention's kept and the rest recomputed (selective), or all kept (off: the fastest, "
+         "at about twice the update's memory)", ["full", "selective", "off"]),
         ("gpu_memory_utilization", 0.6, "vLLM's share of the GPU while it samples"),
     ],
     "extras (not the paper's)": [
@@ -120,9 +122,8 @@ def get_args(argv=None):
         run.add_argument(flag, action="store_true", help=text)
     run.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                      help="the prompt as plain text, not a user turn of the chat template")
-    run.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
-                     help="keep each layer's activations for the backward, not recomputed: a faster update "
-                     "at about twice its memory")
+    run.add_argument("--no-checkpointing", dest="checkpointing", action="store_const", const="off",
+                     help="--checkpointing off")
     p.print_usage = lambda file=None: None  # a wrong flag is one line, as any user error (--help lists all)
     return p.parse_args(argv)
 
@@ -131,10 +132,7 @@ def get_args(argv=None):
 
 def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
     """One step of the paper's loop (Algorithm 1) on this rank's prompts: (metrics, silenced)."""
-    G, analysis = args.group_size, None
-    if args.analysis:  # the token-level view (analysis.py), summed over the step's mini-batches
-        analysis = TokenAnalysis(args.method, clip_settings(args), args.tau_p, args.temperature)
-    record = StepMetrics(step, tok if args.log_silenced else None, analysis)
+    G, record = args.group_size, step_metrics(step, tok, args, policy)
 
     # 1. Rollout: G samples per prompt from the engine (the policy as of the last sync), each seeded
     seeds = [seed_of(args.seed, step, g) for g, _, _ in prompts]
@@ -157,7 +155,9 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
     for idx in blocks:
         batch.old[idx] = token_stats(policy, batch.rows, idx, batch.valid, args.micro_tokens,
                                      args.temperature, collision=args.analysis)
-    record.old_policy(batch.valid, batch.old, batch.sampler)
+    batch.weight, rho = rollout_is_weights(batch.old.logp, batch.sampler, batch.valid, args.rollout_is,
+                                           args.rollout_is_cap, args.rollout_is_mode)  # ones unless --rollout-is
+    record.old_policy(batch.valid, batch.old, batch.sampler, rho)
 
     # 5. Mini-batch updates: S2T on the current policy's p and H, the loss, an optimizer step each
     lr = set_lr(opt, args, step)
@@ -170,6 +170,15 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
     return record.finish(lr, probe_gap, G)
 
 
+def step_metrics(step, tok, args, policy):
+    """The step's bookkeeping (metrics.StepMetrics): with the silenced tokens' text (--log-silenced) and the
+    token-level analysis (--analysis, not the paper's: analysis.py) when asked, and where the layers are
+    compiled, a count of the layer calls that ran eager instead."""
+    analysis = (clip_settings(args), args.tau_p, args.temperature) if args.analysis else None
+    return StepMetrics(step, args.method, tok if args.log_silenced else None, analysis,
+                       EAGER_LAYER_CALLS if layers_are_compiled(policy.lm) else None)
+
+
 @dataclass
 class Batch:
     """One step's samples on this rank, as the trainer holds them: [N, R] tensors over the responses."""
@@ -178,6 +187,7 @@ class Batch:
     adv: torch.Tensor           # [N] the group advantage of each sample
     sampler: torch.Tensor       # [N, R] the sampler's log p of each token (vLLM reports them), or None
     old: TokenStats = None      # [N, R] log p and H under the policy that sampled (step 4 fills it)
+    weight: torch.Tensor = None  # [N, R] each token's factor in the loss: 1, or --rollout-is's (step 4)
 
 
 def make_batch(prompts, groups, adv, device):
@@ -227,18 +237,9 @@ def train_minibatch(policy, opt, batch, idx, first, args, record):
     record.peak("forward")
     s2t = spurious_tokens(now.logp, now.entropy, adv, valid, args.tau_p, args.q)
     keep, denom = token_weights(args.method, now.entropy, valid, s2t)
-    w = None
-    if args.rollout_is != "none":  # not the paper's: weigh by pi_old / pi_sampler (rollout_is.py)
-        w, rho = rollout_is_weights(old.logp, batch.sampler[idx], valid, args.rollout_is, args.rollout_is_cap,
-                                    args.rollout_is_mode)
-        keep = keep * w
-        record.importance(rho if args.rollout_is == "sequence" else rho[valid])
-    mb = MiniBatch(idx, old.logp, adv, keep, denom)
-    if record.analysis:  # --analysis (not the paper's): measures the mini-batch, changes nothing
-        analyse(record.analysis, now.logp, now.entropy, now.collision, old.logp, adv, valid, keep, denom,
-                s2t.silenced, s2t.candidates, s2t.tau_h, w)
+    mb = MiniBatch(idx, old.logp, adv, keep * batch.weight[idx], denom)
     norms = update(policy, opt, batch.rows, batch.valid, mb, args, record)
-    record.minibatch(args.method, s2t, norms, batch.rows, idx, now)
+    record.minibatch(batch, mb, s2t, now, norms)
 
 
 class SpuriousTokens(NamedTuple):
@@ -246,7 +247,7 @@ class SpuriousTokens(NamedTuple):
     candidates: torch.Tensor    # [n, R] valid & (A > 0) & (p < tau_p)
     silenced: torch.Tensor      # [n, R] candidates & (H < tau_h): the mask M
     n_candidates: int           # the candidates on all ranks, whose entropies set tau_h
-    tau_h: float                # their q-quantile, or None where there are none
+    tau_h: float | None         # their q-quantile; None where there are none
 
 
 def spurious_tokens(logp, entropy, adv, valid, tau_p, q):
@@ -255,7 +256,7 @@ def spurious_tokens(logp, entropy, adv, valid, tau_p, q):
     candidates = s2t_candidates(logp, adv, valid, tau_p)
     pooled = gather_cat(entropy[candidates])
     tau_h = s2t_threshold(pooled, q)
-    silenced = s2t_mask(logp, entropy, adv, valid, tau_p, q, tau_h)  # none pooled: none here
+    silenced = s2t_silence(candidates, entropy, tau_h)  # none pooled: none here
     return SpuriousTokens(candidates, silenced, len(pooled), None if tau_h is None else float(tau_h))
 
 
@@ -286,20 +287,19 @@ def update(policy, opt, rows, valid, mb, args, record):
     head's, before the clip. FSDP2 reduce-scatters the gradients after every micro-batch, so no rank ever
     holds an unsharded gradient of the whole model. A non-finite norm (one bad batch) skips the step, as
     verl does: the norm is global, so every rank skips it, and no NaN reaches the weights."""
-    stats = []
-    for part in micro_batches(rows, mb.idx, args.micro_tokens, valid.device):  # slices: no index to copy
-        idle = part is None  # this rank has fewer micro-batches than another: one sample, at weight 0
-        part = slice(1) if idle else part
-        keep = torch.zeros_like(mb.keep[part]) if idle else mb.keep[part]
+    stats, parts = [], micro_batches(rows, mb.idx, args.micro_tokens)  # slices: no index to copy
+    for i, (part, idle) in enumerate(parts):
+        keep = mb.keep[part] * (not idle)  # an idle micro-batch: one sample, at weight 0
         logp = response_logprobs(policy, rows, mb.idx[part], valid, args.temperature).logp
         loss, st = stapo_loss(logp, mb.old_logp[part], mb.adv[part], keep, mb.denom, *clip_settings(args))
+        policy.set_requires_all_reduce(i == len(parts) - 1)  # several nodes: across them once, after the last
         (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is global
         stats.append(st)
     record.loss_stats(stats)  # read once, after the loop: no wait on the device inside it
     record.peak("backward")
     head = head_grad_norm(policy)
     norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
-    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    norm = float(full_tensor(norm))
     if math.isfinite(norm):
         opt.step()
     else:
@@ -368,6 +368,9 @@ def train(args):
     if args.prompts_per_step % (args.minibatches * world):
         raise UserError(f"--prompts-per-step {args.prompts_per_step} must split evenly into "
                          f"--minibatches {args.minibatches}, each over {world} ranks")
+    if args.rollout_is != "none" and engine_kind(args.engine, device) == "hf":
+        raise UserError(f"--rollout-is {args.rollout_is} weighs by the sampler's log-probs, which the HF engine "
+                        "does not report: --engine vllm")
     if not args.resume:  # before anything is written to --out
         refuse_used_out(args.out, used_out(args.out), "Continue it with --resume, or start anew in another --out")
     check_shared_out(args.out, rank)
@@ -378,8 +381,7 @@ def train(args):
     probe = probe_tokens(tok, context - 1, args.chat_template)  # the sync's self-check
     compiled = layers_compiled(args.compile_layers, device)
     policy = build_policy(args.model, mesh, device, dtype, compiled, args.checkpointing)
-    fused = dict(fused=True) if device.type == "cuda" else dict(foreach=True)  # one kernel per step on a GPU
-    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, **fused)
+    opt = build_optimizer(policy, args.lr, args.weight_decay)
     start = load_checkpoint(policy, opt, args.out) if args.resume else 0
     logs = [os.path.join(args.out, name) for name in ("metrics.jsonl", "silenced.jsonl")]
     config = {**vars(args), "world_size": world, "mesh": list(mesh.shape), "device": str(device),

@@ -25,18 +25,6 @@ def group_advantages(rewards, group_size, eps=1e-6):
     return adv.masked_fill((r == r[:, :1]).all(1, keepdim=True), 0.0).view(-1)
 
 
-def quantile(x, q):
-    """torch.quantile(x, q) with linear interpolation, in x's own precision and for any length
-    (torch.quantile refuses more than 2**24 values, and a float64 threshold must stay float64)."""
-    if x.numel() == 0:
-        raise ValueError("quantile of an empty tensor")
-    s = x.flatten().sort().values
-    pos = q * (s.numel() - 1)
-    lo = int(pos)
-    hi = min(lo + 1, s.numel() - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def s2t_candidates(logp, adv, valid, tau_p=0.002):
     """S2T's candidates: valid & (A > 0) & (p < tau_p), a bool [N, T]. adv: [N], [N, 1] or [N, T].
     A fresh or tiny model makes many: p ~ 1/V is already below tau_p for any V > 500."""
@@ -52,6 +40,12 @@ def s2t_threshold(candidate_entropies, q=0.75):
     return quantile(candidate_entropies, q)
 
 
+def s2t_silence(candidates, entropy, tau_h):
+    """The S2T mask from the candidates and tau_h: candidates & (H < tau_h), a bool [N, T], True = silenced;
+    tau_h None (no candidate on any rank): nothing silenced."""
+    return candidates if tau_h is None else candidates & (entropy < tau_h)
+
+
 def s2t_mask(logp, entropy, adv, valid, tau_p=0.002, q=0.75, tau_h=None):
     """The S2T mask (paper: Silencing Spurious Tokens, M_{i,t}). A bool [N, T], True = silenced.
 
@@ -59,18 +53,17 @@ def s2t_mask(logp, entropy, adv, valid, tau_p=0.002, q=0.75, tau_h=None):
     the policy at that position, both detached. adv: [N], [N, 1] or [N, T]. valid: [N, T] mask.
         candidates C = valid & (A > 0) & (p < tau_p)            s2t_candidates
         tau_h = q-quantile of H over C      (linear interpolation, in H's precision; s2t_threshold)
-        silenced = C & (H < tau_h)          (no candidate: nothing silenced)
-    A given tau_h overrides the quantile. Data-parallel, one threshold over every rank's tokens:
-        h = entropy[s2t_candidates(logp, adv, valid, tau_p)]      # this rank's candidates
-        tau_h = s2t_threshold(all_gather_cat(h), q)              # your framework's gather
-        silenced = s2t_mask(logp, entropy, adv, valid, tau_p, q, tau_h)
+        silenced = C & (H < tau_h)          (no candidate: nothing silenced; s2t_silence)
+    A given tau_h overrides the quantile. Data-parallel, one threshold over every rank's tokens, in the
+    three steps this function takes:
+        candidates = s2t_candidates(logp, adv, valid, tau_p)
+        tau_h = s2t_threshold(all_gather_cat(entropy[candidates]), q)   # your framework's gather
+        silenced = s2t_silence(candidates, entropy, tau_h)
     """
     candidates = s2t_candidates(logp, adv, valid, tau_p)
     if tau_h is None:
         tau_h = s2t_threshold(entropy[candidates], q)
-    if tau_h is None:
-        return candidates
-    return candidates & (entropy < tau_h)
+    return s2t_silence(candidates, entropy, tau_h)
 
 
 def stapo_loss(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high=0.28, clip_c=10.0,
@@ -87,9 +80,13 @@ def stapo_loss(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high
     stats = {clip_low, clip_high: the kept tokens' clipped fractions; kept: their count}, 0-dim tensors
     keep = valid & ~silenced (bool or 0/1), so the loss is renormalised over the tokens neither
     padded nor silenced; a float keep is a weight (GRPO's 1/|o_i|, whose sum is the number of
-    sequences). Silenced and padded tokens get exactly zero gradient; num_tokens = 0 gives 0.
-    Nothing in the call waits on the device (no .item(), no float() of a tensor): it compiles whole under
-    torch.compile(fullgraph=True), and a trainer reads the stats once per optimizer step, not per micro-batch.
+    sequences). Silenced and padded tokens get exactly zero gradient.
+    num_tokens: None, a Python number or a 0-dim tensor (an all-reduced count). A count of 0 gives a zero
+    loss with a zero gradient; a negative Python number is a ValueError, while a tensor is never read (a
+    tensor <= 0 gives the zero loss).
+    Nothing in the call waits on the device (no .item(), no float() or bool() of a tensor), for each of the
+    three kinds of num_tokens: it compiles whole under torch.compile(fullgraph=True), and a trainer reads the
+    stats once per optimizer step, not per micro-batch.
     With keep = valid, clip_c=None and max_log_ratio=float("inf") this is exactly DAPO's
     token-mean loss (TRL's loss_type="dapo"); the dual clip and the clamp change only A < 0 tokens
     with ratio > clip_c, and log-ratios beyond +-20.
@@ -113,22 +110,34 @@ def stapo_loss(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high
     adv = (adv if adv.dim() == logp.dim() else adv[:, None]).expand_as(logp)
     kept = keep > 0
     log_ratio = (logp.float() - old_logp.detach().float()).clamp(-max_log_ratio, max_log_ratio)
-    ratio = torch.where(kept, log_ratio, 0.0).exp()
+    ratio = torch.where(kept, log_ratio, 0.0).exp()  # masked before exp: a padded token's garbage never overflows
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
     per_token = torch.maximum(-ratio * adv, -clipped * adv)
     if clip_c is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -clip_c * adv), per_token)
-    per_token = torch.where(kept, per_token, 0.0) * keep
-    if num_tokens is None:  # a tensor: no wait on the device
-        n = keep.sum().float()
-        loss = per_token.sum() / n.clamp(min=torch.finfo(torch.float32).tiny)
+    per_token = torch.where(kept, per_token, 0.0) * keep  # and after: 0 * inf would be NaN, a where is 0
+    if num_tokens is None or isinstance(num_tokens, torch.Tensor):  # divided on the device, never read
+        n, total = (keep.sum() if num_tokens is None else num_tokens).float(), per_token.sum()
+        loss = torch.where(n > 0, total / n.clamp(min=torch.finfo(torch.float32).tiny), total * 0.0)
     elif num_tokens < 0:
         raise ValueError(f"stapo_loss: num_tokens must be >= 0, got {num_tokens}")
     else:
         loss = per_token.sum() / num_tokens if num_tokens > 0 else per_token.sum() * 0.0
     with torch.no_grad():  # tensors, never read here: a trainer reads them once per optimizer step
-        k = kept.sum().clamp(min=1).double()
+        k = kept.sum().clamp(min=1).double()  # fractions in float64: exact counts past float32's 2^24 tokens
         stats = {"clip_low": (kept & (adv < 0) & (ratio < 1 - eps_low)).sum() / k,
                  "clip_high": (kept & (adv > 0) & (ratio > 1 + eps_high)).sum() / k,
                  "kept": kept.sum()}
     return loss, stats
+
+
+def quantile(x, q):
+    """torch.quantile(x, q) with linear interpolation, in x's own precision and for any length
+    (torch.quantile refuses more than 2**24 values, and a float64 threshold must stay float64)."""
+    if x.numel() == 0:
+        raise ValueError("quantile of an empty tensor")
+    s = x.flatten().sort().values
+    pos = q * (s.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, s.numel() - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)

@@ -4,10 +4,10 @@
 
 The head's forward (head.ChunkedHead) computes, per chunk of 128 tokens, log p and H (what S2T needs) and,
 when asked (collision=True, as stapo.py --analysis asks), one more sum, sum pi^2: a square and a sum over the
-[chunk, V] buffer. This script times, in one process, (1) the forward without it (the trainer's default),
-(2) the forward with it, and (3) analysis.analyse on the batch (each token's gradient norms and entropy
-change, summed into the groups and shares by analysis.TokenAnalysis, one process); each the median of 3
-after a warm-up.
+[chunk, V] fp32 logits. This script times, in one process, (1) the forward without it (the trainer's
+default), (2) the forward with it, and (3) the bookkeeping of one mini-batch (analysis.TokenAnalysis.sums:
+each token's gradient norms and entropy change, summed into the groups and shares, added up as
+metrics.StepMetrics adds them); each the median of 3 after a warm-up.
 """
 import os
 import statistics
@@ -19,7 +19,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import analysis  # noqa: E402
 import head  # noqa: E402
+import metrics  # noqa: E402
 import parallel  # noqa: E402
+import policy  # noqa: E402
 import stapo  # noqa: E402
 
 
@@ -48,14 +50,14 @@ def main():
     args = stapo.get_args([])  # the trainer's defaults: --method stapo, tau_p, q, the clips
     s2t = stapo.spurious_tokens(logp, entropy, adv, valid, args.tau_p, args.q)
     keep = (valid & ~s2t.silenced).float()
-    sums = lambda: analysis.TokenAnalysis("stapo", stapo.clip_settings(args), args.tau_p, 1.0)  # noqa: E731
-    old_logp = logp  # ratio 1: the policy before its first update
-    book = timed(lambda: analysis.analyse(sums(), logp, entropy, collision, old_logp, adv, valid, keep,
-                                          float(keep.sum()), s2t.silenced, s2t.candidates, s2t.tau_h))
+    view = analysis.TokenAnalysis("stapo", stapo.clip_settings(args), args.tau_p, 1.0)
+    now, old_logp = policy.TokenStats(logp, entropy, collision), logp  # ratio 1: before the first update
+    book = timed(lambda: metrics.accumulate(dict.fromkeys(analysis.KEYS, 0.0), view.sums(
+        now, old_logp, adv, valid, keep, float(keep.sum()), s2t, valid.float())))
     print(f"{m} tokens, vocabulary {v}, hidden {d}, fp32, {torch.get_num_threads()} threads")
     print(f"head forward: {without:.2f} s; with the analysis's sum pi^2: {full:.2f} s "
           f"(the analysis: +{100 * (full / without - 1):.1f}% of the forward)")
-    print(f"analysis.analyse on the batch: {book * 1000:.1f} ms")
+    print(f"the analysis's bookkeeping of the batch: {book * 1000:.1f} ms")
     torch.distributed.destroy_process_group()
 
 

@@ -6,9 +6,9 @@
     python benchmarks/logprobs.py --batch 8 --seq 2048 --hidden 2048 --variants naive,chunked,trl
 
 The chunked head runs as the trainer runs it: rows per chunk chosen by the head for the device and vocabulary
-(head.chunk_rows: 128 on CPU; --chunk N to force), its per-chunk math compiled on CUDA (head.COMPILE). Rows
-(--variants): naive; chunked (the head's defaults); eager (the head with STAPO_HEAD_COMPILE=0: its buffered
-passes); chunk128 (the head at 128 rows, compiled where the head compiles); trl (TRL 1.16's fused LM
+(head.chunk_rows; --chunk N to force), its per-chunk math compiled on CUDA (head.compiles). Rows
+(--variants): naive; chunked (the head's defaults); eager (the head with STAPO_HEAD_COMPILE=0: its per-chunk
+math uncompiled, as on a CPU); chunk128 (the head at 128 rows, compiled where the head compiles); trl (TRL 1.16's fused LM
 head, trl.kernels.ChunkedLogProbFunction, as its GRPOTrainer calls it: tiles of 4,096 tokens by 32,768
 vocabulary entries, a Triton kernel on CUDA and torch ops elsewhere, log p and the entropy; it needs only the
 trl package, none of TRL's other dependencies). The timed pass follows one warm-up pass, which also compiles.
@@ -90,7 +90,7 @@ def run_one(a):
     print(json.dumps({"seconds": seconds, "peak_gb": (peak_bytes(dev) - base) / 2**30, "device": dev,
                       "dtype": str(dtype).replace("torch.", ""),
                       "chunk": (chunk or head.chunk_rows(dev, a.vocab)) if ours else "-",
-                      "compiled": head.compiled_here(dev) and ours,
+                      "compiled": head.compiles(dev) and ours,
                       "name": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}))
 
 

@@ -42,8 +42,8 @@ response token (the head runs on response tokens only); x3 for a training pass (
 activation recomputation is not counted. Peak TFLOP/s: --peak-tflops, else by the device's name (H100, H200:
 989, dense bf16, SXM); none on CPU (MFU printed as null).
 Padded fraction: of the tokens the decoder computes (each micro-batch padded to its longest sample), the share
-that is padding, in the micro-batches the passes run (policy.micro_batches at --micro-tokens: on CUDA the
-cheapest cut, on CPU the fewest micro-batches that fit), and, printed for every batch, for both cuts.
+that is padding, in the micro-batches the passes run (policy.micro_batches at --micro-tokens), and, printed
+for every batch, for both cuts (the trainer's, and the fewest micro-batches that fit).
 Host syncs (CUDA only, null on CPU): the calls of the last timed run that made the host wait for the device,
 counted by torch.cuda.set_sync_debug_mode("warn"): a fixed few per update (the statistics, the norms) and none
 per micro-batch is the aim (tests/test_trainer.py counts the micro-batch loops' on CPU).
@@ -51,11 +51,13 @@ Levers (--levers, a comma list; a+b applies both): after the base runs, each is 
 process only), the phases other than full_logits run again on the first --lengths, and it is turned off
 again, so each lever is measured against the base on the same model and batch:
   micro_tokens_x2, micro_tokens_x4   2 or 4 x --micro-tokens (fewer, larger micro-batches)
-  fewest_micro_batches    the fewest micro-batches that fit (policy.MICRO_BATCH_COST none: the CPU's cut)
-  cheapest_micro_batches  the fewest tokens computed, padding and a fixed cost per micro-batch counted (the
-                    CUDA's cut): against the other, whether the extra micro-batches cost more than the
-                    padding they save
-  no_checkpointing  activation checkpointing off (stapo.py --no-checkpointing: policy.set_checkpointing)
+  fewest_micro_batches    the fewest micro-batches that fit (policy.MICRO_BATCH_COST so high that a
+                    micro-batch outweighs any padding), against the trainer's cut (the fewest tokens computed,
+                    padding and a fixed cost per micro-batch counted): whether the extra micro-batches cost
+                    more than the padding they save
+  no_checkpointing  activation checkpointing off (stapo.py --checkpointing off: policy.set_checkpointing)
+  selective_checkpointing  the matmuls' and attention's outputs kept, the rest recomputed (--checkpointing
+                    selective)
   compile_layers    each decoder layer compiled (policy.compile_layers; the base's choice on CUDA, as
                     stapo.py's --compile-layers auto), its compile in the warm-up run
   eager_layers      each decoder layer eager (the base's choice on CPU)
@@ -156,23 +158,21 @@ def padding(rows, groups):
 
 # ---- levers: one speed choice each, on or off in this process --------------------------------------
 
-LEVERS = ("micro_tokens_x2", "micro_tokens_x4", "no_checkpointing", "compile_layers", "eager_layers",
-          "fewest_micro_batches", "cheapest_micro_batches")
+LEVERS = ("micro_tokens_x2", "micro_tokens_x4", "no_checkpointing", "selective_checkpointing", "compile_layers",
+          "eager_layers", "fewest_micro_batches")
+FEWEST = 1e6  # a micro-batch's cost, in --micro-tokens, that outweighs any padding: the fewest that fit
 
 
 def set_lever(P, policy, lever, on, base):
-    """Turn one of LEVERS on, or off again: back to the base, whose layers are compiled if base["compiled"]
-    and whose micro-batches cost base["cost"] (micro_tokens_xN is run_passes' --micro-tokens, nothing to set
-    here)."""
-    if lever == "no_checkpointing":
-        P.set_checkpointing(policy.lm, not on)
+    """Turn one of LEVERS on, or off again: back to the base, whose layers are compiled if base["compiled"],
+    checkpointed fully, and whose micro-batches cost base["cost"] (micro_tokens_xN is run_passes'
+    --micro-tokens, nothing to set here)."""
+    if lever in ("no_checkpointing", "selective_checkpointing"):
+        P.set_checkpointing(policy.lm, {"no_checkpointing": "off"}.get(lever, "selective") if on else "full")
     elif lever in ("compile_layers", "eager_layers"):
         P.compile_layers(policy.lm, (lever == "compile_layers") if on else base["compiled"])
-    elif lever == "fewest_micro_batches":  # the CPU's cut, on any device
-        P.MICRO_BATCH_COST = {} if on else base["cost"]
-    elif lever == "cheapest_micro_batches":  # CUDA's cut, on any device
-        cost = base["cost"]["cuda"]
-        P.MICRO_BATCH_COST = {"cuda": cost, "cpu": cost} if on else base["cost"]
+    elif lever == "fewest_micro_batches":
+        P.MICRO_BATCH_COST = FEWEST if on else base["cost"]
 
 
 # ---- FLOPs and memory ------------------------------------------------------------------------------
@@ -376,14 +376,13 @@ def run_all(a, batches, folder):
     if "trl_update" in a.phases.split(","):
         preload_trl()
     policy = P.build_policy(folder, mesh, device, dtype, base["compiled"])
-    fused = dict(fused=True) if cuda else dict(foreach=True)  # as stapo.py builds it
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.1, **fused)
+    opt = P.build_optimizer(policy, 1e-6, 0.1)  # stapo.py's, at its default lr and weight decay
     params = sum(t.numel() for t in policy.parameters())
     print(json.dumps({"phase": "build", "shape": a.shape, "params": params, "device": name,
                       "dtype": str(dtype)[6:], "torch": torch.__version__,
                       "seconds": round(time.perf_counter() - t0, 1),
                       "head_chunk_rows_auto": head.chunk_rows(device, vocab),
-                      "head_compiled": head.compiled_here(device), "layers_compiled": base["compiled"],
+                      "head_compiled": head.compiles(device), "layers_compiled": base["compiled"],
                       "peak_tflops": peak,
                       "samples": a.samples, "micro_tokens": a.micro_tokens}), flush=True)
     results = {}
@@ -418,7 +417,7 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder,
     from metrics import StepMetrics
     from stapo_core import group_advantages
     cuda = device.type == "cuda"
-    groups = [idx[part] for part in P.micro_batches(rows, idx, a.micro_tokens, device) if part]
+    groups = [idx[part] for part, idle in P.micro_batches(rows, idx, a.micro_tokens) if not idle]
     pad_ours, computed_ours = padding(rows, groups)
     prompts = [(k // 8, r[0], None) for k, r in enumerate(rows[::8])]
     sample = lambda r: types.SimpleNamespace(tokens=r[1], logprobs=None, finish_reason="stop")  # noqa: E731
@@ -433,7 +432,7 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder,
         state["old"] = old_pass(P, policy, batch.rows, idx, batch.valid, a.micro_tokens, args.temperature)
 
     def update():
-        record = StepMetrics(0)
+        record = StepMetrics(0, "stapo")
         run_update(S, policy, opt, batch, idx, state["old"], args, record)
         return record
 
@@ -560,12 +559,12 @@ def profile(fn, cuda, phase, dist_name, lever, timed, rows=15):
 
 
 def print_padding(rows, idx, a, dist_name):
-    """The padded fraction of each of policy.micro_batches' cuts at --micro-tokens (policy.runs, as one rank
-    cuts): the cheapest (CUDA's) and the fewest micro-batches that fit (CPU's). Pure arithmetic."""
-    from policy import MICRO_BATCH_COST, runs
+    """The padded fraction of two cuts at --micro-tokens (policy.cut_by_length, as one rank cuts): the
+    trainer's, and the fewest micro-batches that fit. Pure arithmetic."""
+    from policy import MICRO_BATCH_COST, cut_by_length
     lengths = [len(rows[i][0]) + len(rows[i][1]) for i in idx]
-    for label, cost in (("cheapest_micro_batches", MICRO_BATCH_COST["cuda"]), ("fewest_micro_batches", None)):
-        groups = [idx[part] for part in runs(lengths, a.micro_tokens, cost)]
+    for label, cost in (("trainers_cut", MICRO_BATCH_COST), ("fewest_micro_batches", FEWEST)):
+        groups = [idx[part] for part in cut_by_length(lengths, a.micro_tokens, cost)]
         pad, computed = padding(rows, groups)
         print(json.dumps({"phase": "padding", "lengths": dist_name, "grouping": label,
                           "micro_tokens": a.micro_tokens, "micro_batches": len(groups),

@@ -15,8 +15,10 @@ does the rest: sampling, rewards, group advantages, per-token log p and entropy 
 temperature, the completion (and tool) mask, old log-probs, the optimizer loop.
 
 One optimizer step's loss (paper: J_STAPO, the clip-higher token mean over the tokens S2T keeps):
-    silenced = s2t_mask(p, H, A, valid), with one tau_h over the step's candidates on all W processes
+    silenced = S2T's mask of (p, H, A, valid), with one tau_h over the step's candidates on all W processes
     loss = stapo_loss(logp, old_logp, A, valid & ~silenced, num_tokens = kept in the step, all processes / W)
+The kept count stays a tensor on the device (stapo_loss divides by it there), and the statistics (clip
+fractions, the silenced fraction, tau_h) are kept as tensors and read once per logging step (log).
 / W because accelerate's DDP averages the W processes' gradients. p and H are the policy's at that step,
 for all of its micro-batches, before its first backward:
   - gradient_accumulation_steps = 1: the step is one micro-batch, and its own forward gives them;
@@ -47,7 +49,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from stapo_core import s2t_candidates, s2t_mask, s2t_threshold, stapo_loss  # noqa: E402  the copied file
+from stapo_core import s2t_candidates, s2t_silence, s2t_threshold, stapo_loss  # noqa: E402  the copied file
 
 MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
            "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")  # vision
@@ -57,6 +59,7 @@ class STAPOTrainer(GRPOTrainer):
     def __init__(self, *args, tau_p=0.002, q=0.75, clip_c=10.0, max_log_ratio=20.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.tau_p, self.q, self.clip_c, self.max_log_ratio = tau_p, q, clip_c, max_log_ratio
+        self._stapo_stats = {}  # {mode: {name: [0-dim tensors]}}, read at the next log
         a = self.args
         vllm_is = a.use_vllm and a.vllm_importance_sampling_correction
         refused = {"loss_type != 'dapo'": a.loss_type != "dapo",
@@ -91,21 +94,35 @@ class STAPOTrainer(GRPOTrainer):
 
     def _s2t(self, logps, entropies, batches):
         """The keep masks of one optimizer step's micro-batches (paper: M_{i,t} = 0 where silenced) and
-        its loss denominator; one tau_h and one kept count over the step on all processes."""
+        its loss denominator, a tensor; one tau_h and one kept count over the step on all processes."""
         valids = [(b["completion_mask"] * b.get("tool_mask", 1)).bool() for b in batches]
         candidates = [s2t_candidates(p, b["advantages"], v, tau_p=self.tau_p)
                       for p, b, v in zip(logps, batches, valids)]
         mine = torch.cat([h[c] for h, c in zip(entropies, candidates)])  # this process's candidates' H
-        tau_h = s2t_threshold(self._gather_cat(mine), self.q)
-        keeps = [v & ~s2t_mask(p, h, b["advantages"], v, tau_p=self.tau_p, q=self.q, tau_h=tau_h)
-                 for p, h, b, v in zip(logps, entropies, batches, valids)]
+        tau_h = s2t_threshold(self._gather_cat(mine), self.q)  # the gather reads each process's count: once
+        keeps = [v & ~s2t_silence(c, h, tau_h) for c, h, v in zip(candidates, entropies, valids)]
         counts = torch.stack([sum(k.sum() for k in keeps), sum(v.sum() for v in valids)]).float()
-        kept, valid = self.accelerator.reduce(counts, reduction="sum").tolist()
-        metrics = self._metrics["train" if self.model.training else "eval"]
-        metrics["stapo/silenced_frac"].append(1 - kept / max(valid, 1))
+        kept, valid = self.accelerator.reduce(counts, reduction="sum")  # tensors, on the device: never read
+        self._stat("silenced_frac", 1 - kept / valid.clamp(min=1))
         if tau_h is not None:
-            metrics["stapo/tau_h"].append(float(tau_h))
+            self._stat("tau_h", tau_h)
         return keeps, kept / self.accelerator.num_processes  # / W: DDP averages the W gradients
+
+    def _stat(self, name, value):
+        """A 0-dim tensor kept for the next log, which reads them all at once."""
+        mode = "train" if self.model.training else "eval"
+        self._stapo_stats.setdefault(mode, {}).setdefault(name, []).append(value.detach().float())
+
+    def log(self, logs, start_time=None):
+        """TRL's log, once per logging step, with the mean of each STAPO statistic kept since the last: the
+        one read of them from the device (one copy of all of them). TRL's own metrics read theirs as it goes."""
+        mode = "train" if self.model.training else "eval"
+        stats = self._stapo_stats.pop(mode, {})
+        if stats:
+            means = torch.stack([torch.stack(v).mean() for v in stats.values()]).tolist()
+            for name, mean in zip(stats, means):
+                self._metrics[mode][f"stapo/{name}"].append(mean)
+        super().log(logs, start_time)
 
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
@@ -130,9 +147,8 @@ class STAPOTrainer(GRPOTrainer):
         loss, stats = stapo_loss(logp, old_logp, inputs["advantages"], keep, num_tokens=num_tokens,
                                  eps_low=self.epsilon_low, eps_high=self.epsilon_high, clip_c=self.clip_c,
                                  max_log_ratio=self.max_log_ratio)
-        metrics = self._metrics["train" if self.model.training else "eval"]
         for name in ("clip_low", "clip_high"):
-            metrics[f"stapo/{name}"].append(float(stats[name]))  # this process's share of its kept tokens
+            self._stat(name, stats[name])  # this process's share of its kept tokens, read at the next log
         return loss
 
 

@@ -44,12 +44,11 @@ def test_padding_counts_each_micro_batch_at_its_longest():
 
 
 def test_the_padding_only_rule_is_policy_micro_batches(monkeypatch, capsys):
-    """--padding-only computes policy.micro_batches' cuts without a process group (policy.runs): CUDA's, the
-    cheapest, and CPU's, the fewest micro-batches that fit, each checked against that function on that
-    device on a long tail (the number the issue asks about): the cheapest cut in more micro-batches, with
+    """--padding-only computes two cuts without a process group (policy.cut_by_length): the trainer's, checked
+    against policy.micro_batches itself, and the fewest micro-batches that fit, checked against a count by
+    hand; on a long tail (the number the issue asks about) the trainer's cut makes more micro-batches, with
     less padding."""
     import policy
-    import torch
     tp = _load()
     monkeypatch.setattr(policy, "all_reduce_numbers", lambda *xs, op=None: list(xs))  # a world of one
     lengths = tp.response_lengths("lognormal", 64, 1024, 1.0, 3)
@@ -58,30 +57,34 @@ def test_the_padding_only_rule_is_policy_micro_batches(monkeypatch, capsys):
     args = type("A", (), {"micro_tokens": 16384})
     tp.print_padding(rows, idx, args, "lognormal")
     printed = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert [x["grouping"] for x in printed] == ["cheapest_micro_batches", "fewest_micro_batches"]
-    for line, device in zip(printed, ("cuda", "cpu")):
-        groups = [idx[part] for part in policy.micro_batches(rows, idx, 16384, torch.device(device))]
-        want = tp.padding(rows, groups)
-        assert (line["padded_frac"], line["tokens_computed"], line["micro_batches"]) == (
-            round(want[0], 4), want[1], len(groups)), device
-    assert printed[0]["micro_batches"] > printed[1]["micro_batches"]
+    assert [x["grouping"] for x in printed] == ["trainers_cut", "fewest_micro_batches"]
+    groups = [idx[part] for part, idle in policy.micro_batches(rows, idx, 16384) if not idle]
+    want = tp.padding(rows, groups)
+    assert (printed[0]["padded_frac"], printed[0]["tokens_computed"], printed[0]["micro_batches"]) == (
+        round(want[0], 4), want[1], len(groups))
+    n, fewest, tokens = [len(rows[i][0]) + len(rows[i][1]) for i in idx], 0, 0
+    while tokens < len(n):  # greedy: each micro-batch as long as fits, the fewest there are
+        end = tokens + 1
+        while end < len(n) and (end + 1 - tokens) * n[end] <= 16384:
+            end += 1
+        fewest, tokens = fewest + 1, end
+    assert printed[1]["micro_batches"] == fewest < printed[0]["micro_batches"]
     assert printed[0]["padded_frac"] < printed[1]["padded_frac"]
 
 
-def test_the_micro_batches_on_a_gpu_pad_at_most_a_tenth_of_a_long_tail(monkeypatch):
+def test_the_micro_batches_pad_at_most_a_tenth_of_a_long_tail(monkeypatch):
     """The issue's bound: on the benchmark's long tail (64 samples as one rank holds them, prompt 256,
     responses log-normal, median 1,024, 200..8,192; --micro-tokens 16384), at most 10% of the tokens the
-    decoder computes are padding in the micro-batches a CUDA run cuts, for ten seeds. The fewest micro-batches
-    that fit (CPU's cut) pad 10.3% at seed 0."""
+    decoder computes are padding in the micro-batches the trainer cuts, on any device, for ten seeds. The
+    fewest micro-batches that fit pad 10.3% at seed 0."""
     import policy
-    import torch
     tp = _load()
     monkeypatch.setattr(policy, "all_reduce_numbers", lambda *xs, op=None: list(xs))  # a world of one
     for seed in range(10):
         rows = tp.make_rows(64, 256, tp.response_lengths("lognormal", 64, 1024, 1.0, seed), 100, 1)
         idx = sorted(range(64), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
-        parts = policy.micro_batches(rows, idx, 16384, torch.device("cuda"))
-        padded, _ = tp.padding(rows, [idx[part] for part in parts])
+        parts = policy.micro_batches(rows, idx, 16384)
+        padded, _ = tp.padding(rows, [idx[part] for part, idle in parts if not idle])
         assert padded <= 0.10, (seed, padded)
 
 
@@ -114,7 +117,7 @@ def test_a_random_checkpoint_is_saved_whole_or_not_at_all(tmp_path, monkeypatch)
 @pytest.mark.slow
 def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     """The benchmark end to end on CPU (the project's build_policy, token_stats and update, the full-logits
-    update, and TRL 1.16's own update on equal lengths), two length distributions, three levers (on the first
+    update, and TRL 1.16's own update on equal lengths), two length distributions, four levers (on the first
     lengths), every update profiled: every phase's line has every field, the table and the ratios are
     printed; a lever reaches the trainer's passes. About 40 s here."""
     tp = _load()
@@ -125,7 +128,8 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
                         "--response", "12", "--lengths", f"{tmp_path / 'lengths.txt'},equal",
                         "--phases", "old_pass,update,full_logits,trl_update",
                         "--micro-tokens", "96", "--reps", "1", "--levers",
-                        "micro_tokens_x4,no_checkpointing+micro_tokens_x2,cheapest_micro_batches",
+                        "micro_tokens_x4,no_checkpointing+micro_tokens_x2,selective_checkpointing,"
+                        "fewest_micro_batches",
                         "--profile", "update"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -136,13 +140,15 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     assert build["device"] == "cpu" and build["peak_tflops"] is None and build["params"] > 0
     phases = {(x["lengths"], x["phase"]): x for x in lines[1:] if "seconds" in x and not x["lever"]}
     levers = {(x["lever"], x["phase"]): x for x in lines[1:] if x.get("lever") and "seconds" in x}
-    combos = ("micro_tokens_x4", "no_checkpointing+micro_tokens_x2", "cheapest_micro_batches")
+    combos = ("micro_tokens_x4", "no_checkpointing+micro_tokens_x2", "selective_checkpointing",
+              "fewest_micro_batches")
     assert set(levers) == {(lever, p) for lever in combos for p in ("old_pass", "update")}  # no full_logits
-    base = phases["file", "update"]  # CPU's cut, the fewest that fit 96 tokens: 3 (192: 2; 384: 1)
+    base = phases["file", "update"]  # the trainer's cut at 96 tokens: 4 (at 192 and at 384: 3)
     assert (levers["micro_tokens_x4", "update"]["micro_batches"], levers["no_checkpointing+micro_tokens_x2",
-            "update"]["micro_batches"], base["micro_batches"]) == (1, 2, 3)
-    cheapest = levers["cheapest_micro_batches", "update"]  # CUDA's cut, here: 4, and less padding
-    assert cheapest["micro_batches"] == 4 and cheapest["padded_frac"] < base["padded_frac"]
+            "update"]["micro_batches"], base["micro_batches"]) == (3, 3, 4)
+    assert levers["selective_checkpointing", "update"]["micro_batches"] == 4
+    fewest = levers["fewest_micro_batches", "update"]  # the fewest that fit 96 tokens: 3, with more padding
+    assert fewest["micro_batches"] == 3 and fewest["padded_frac"] > base["padded_frac"]
     assert set(phases) == {(d, p) for d in ("equal", "file") for p in ("old_pass", "update", "full_logits")} | {
         ("equal", "trl_update")}  # TRL's micro-batches count samples: equal lengths only
     trl = phases["equal", "trl_update"]  # 96 // 18 = 5 samples a micro-batch, in their order: 5 and 3
@@ -158,19 +164,17 @@ def test_train_passes_prints_every_field_at_a_tiny_shape(tmp_path):
     assert phases["equal", "update"]["padded_frac"] == 0 < base["padded_frac"]
     padding = [x for x in lines if x["phase"] == "padding"]
     assert [(x["lengths"], x["grouping"]) for x in padding] == [
-        ("file", "cheapest_micro_batches"), ("file", "fewest_micro_batches"),
-        ("equal", "cheapest_micro_batches"), ("equal", "fewest_micro_batches")]
-    assert r.stdout.count("| update |") == 5 and r.stdout.count("update / full_logits: time") == 2
+        ("file", "trainers_cut"), ("file", "fewest_micro_batches"),
+        ("equal", "trainers_cut"), ("equal", "fewest_micro_batches")]
+    assert r.stdout.count("| update |") == 6 and r.stdout.count("update / full_logits: time") == 2
     assert r.stdout.count("| trl_update |") == 1
-    profiles = [x for x in lines if x["phase"] == "profile"]  # one per update run: the base's two, 3 levers
-    assert [(x["of"], x["lever"]) for x in profiles] == [("update", None)] * 2 + [
-        ("update", "micro_tokens_x4"), ("update", "no_checkpointing+micro_tokens_x2"),
-        ("update", "cheapest_micro_batches")]
+    profiles = [x for x in lines if x["phase"] == "profile"]  # one per update run: the base's two, 4 levers
+    assert [(x["of"], x["lever"]) for x in profiles] == [("update", None)] * 2 + [("update", c) for c in combos]
     assert all(x["wall_s"] > 0 and x["kernels_s"] is None and x["device_busy"] is None for x in profiles)
     for x in profiles:  # the time by kind: here the operators' own CPU time, mostly the head's and layers' mm
         assert list(x["by_kind_s"]) == [k for k, _ in tp.KINDS] + ["other"] and x["by_kind_s"]["matmul"] > 0
         assert 0 < sum(x["by_kind_s"].values()) <= 2 * x["wall_s"], x
-    assert r.stdout.count("Self CPU time total") == 5 and "aten::mm" in r.stdout  # the profiler's tables
+    assert r.stdout.count("Self CPU time total") == 6 and "aten::mm" in r.stdout  # the profiler's tables
     assert "MFU against no TFLOP/s (model FLOPs: 2N per token" in r.stdout
 
 

@@ -311,6 +311,26 @@ def test_stapo_loss_small_num_tokens_is_used_as_given():
         stapo_loss(logp, old, adv, keep, num_tokens=-1)
 
 
+@pytest.mark.parametrize("count", [0.5, 1, 13])
+def test_a_tensor_num_tokens_is_a_python_numbers_equal_and_a_zero_one_gives_nothing(count):
+    """A 0-dim tensor count (all-reduced, the contract's recipe) gives the loss and gradient of the same Python
+    number, bit for bit, float or integer; a zero one, with tokens kept, gives a zero loss and a zero gradient
+    (no inf, no NaN), as the number 0 does. Breaks with a tensor divided by unclamped, or kept out of the
+    zero case."""
+    logp, old, adv, valid = _batch(7)
+    for n in (torch.tensor(float(count)), torch.tensor(count) if count == int(count) else None):
+        if n is None:
+            continue
+        (got, got_grad), (want, want_grad) = (
+            (loss, torch.autograd.grad(loss, logp)[0])
+            for loss, _ in (stapo_loss(logp, old, adv, valid, num_tokens=x) for x in (n, count)))
+        assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    for zero in (torch.tensor(0.0), torch.tensor(0), 0):
+        loss, _ = stapo_loss(logp, old, adv, valid, num_tokens=zero)
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert loss.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+
+
 def test_stapo_loss_upcasts_bf16_inputs():
     logp, old, adv, valid = _batch(8)
     lo = logp.detach().bfloat16(), old.bfloat16(), adv.bfloat16()
@@ -532,14 +552,16 @@ def test_rollout_is_weights_by_hand():
     w, rho = rollout_is_weights(old, sampler, valid, "token", cap=2.0)
     e = math.exp
     assert torch.allclose(w, torch.tensor([[e(0.5), e(-0.2), 2.0], [e(0.1), e(0.2), 0.0]]))
-    assert torch.allclose(rho[valid].float(), torch.tensor([e(0.5), e(-0.2), e(1.5), e(0.1), e(0.2)]))
+    assert torch.allclose(rho.float(), torch.tensor([e(0.5), e(-0.2), e(1.5), e(0.1), e(0.2)]))  # valid tokens'
     w, _ = rollout_is_weights(old, sampler, valid, "token", cap=2.0, mode="mask")
     assert torch.allclose(w, torch.tensor([[e(0.5), e(-0.2), 0.0], [e(0.1), e(0.2), 0.0]]))
     w, rho = rollout_is_weights(old, sampler, valid, "sequence", cap=3.0)  # row 0: e^1.8 > 3; row 1: e^0.3
-    assert torch.allclose(rho[:, 0].float(), torch.tensor([e(1.8), e(0.3)]))
+    assert torch.allclose(rho.float(), torch.tensor([e(1.8), e(0.3)]))  # one per response
     assert torch.allclose(w, torch.tensor([[3.0] * 3, [e(0.3), e(0.3), 0.0]]))
     w, _ = rollout_is_weights(old, sampler, valid, "sequence", cap=3.0, mode="mask")
     assert torch.allclose(w, torch.tensor([[0.0] * 3, [e(0.3), e(0.3), 0.0]]))
+    w, rho = rollout_is_weights(old, None, valid, "none")  # off: 1 at each valid token, the sampler unread
+    assert torch.equal(w, valid.float()) and rho.numel() == 0
 
 
 def _loss_case():
@@ -550,11 +572,13 @@ def _loss_case():
     return logp, old, torch.tensor([1.0, -0.5, 0.7]), valid
 
 
-@pytest.mark.parametrize("num_tokens", [None, 7, 0])
+@pytest.mark.parametrize("num_tokens", [None, 7, 0, torch.tensor(7.0), torch.tensor(0.0), torch.tensor(9)])
 def test_stapo_loss_never_waits_on_the_device(num_tokens):
     """No call reads a tensor back to the host (.item(), float(), int(), bool() of a tensor: each is one
-    aten._local_scalar_dense, a device-to-host copy and a sync on a GPU), with or without num_tokens, and the
-    statistics come back as tensors. Breaks with the old float()/int() statistics or float(keep.sum())."""
+    aten._local_scalar_dense or is_nonzero, a device-to-host copy and a sync on a GPU), with num_tokens None, a
+    Python number or a 0-dim tensor (an all-reduced count, as the contract's recipe gives it: float or
+    integer), and the statistics come back as tensors. Breaks with the old float()/int() statistics,
+    float(keep.sum()), or a tensor count compared on the host (`num_tokens > 0` in an if)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Reads(TorchDispatchMode):
@@ -574,10 +598,11 @@ def test_stapo_loss_never_waits_on_the_device(num_tokens):
 
 def test_stapo_loss_compiles_as_one_graph():
     """torch.compile(fullgraph=True) captures the whole loss (a graph break, such as a read of a tensor into
-    Python, is an error there), and the compiled loss, gradient and statistics equal the eager ones."""
+    Python, is an error there), and the compiled loss, gradient and statistics equal the eager ones, for
+    num_tokens None, a Python number and a 0-dim tensor (a count of 0 too)."""
     logp, old, adv, valid = _loss_case()
     compiled = torch.compile(stapo_loss, fullgraph=True, backend="aot_eager")
-    for num_tokens in (None, 9):
+    for num_tokens in (None, 9, 7, torch.tensor(7.0), torch.tensor(0.0)):
         want, want_stats = stapo_loss(logp, old, adv, valid, num_tokens)
         (want_grad,) = torch.autograd.grad(want, logp)
         got, got_stats = compiled(logp, old, adv, valid, num_tokens)

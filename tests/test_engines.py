@@ -1,7 +1,9 @@
-"""rollout.HFEngine's sleep: on CUDA it gives the accelerator memory back (weights to host memory, torch's
-cache emptied), so a judge's process or the trainer can have it, and the next call brings the weights back
-unchanged; on the CPU it does nothing. Checked on the CPU: the engine is told it is a CUDA one for its sleep
-alone."""
+"""rollout.HFEngine's sleep: on CUDA it gives the accelerator memory back (torch's cache emptied), so a judge's
+process or the trainer can have it. For eval.py the weights wait in host memory and the next call brings them
+back unchanged; in training they are dropped, and the next weight sync makes them anew, with no round trip
+through host memory. On the CPU it does nothing. Checked on the CPU: the engine is told it is a CUDA one for
+its sleep alone."""
+import pytest
 import torch
 
 import rollout
@@ -9,9 +11,9 @@ import rollout
 PROMPTS = [[5, 6, 7], [8, 9]]
 
 
-def engine_of(tiny):
+def engine_of(tiny, for_training=False):
     d, tok = tiny
-    return rollout.HFEngine(str(d / "model"), torch.device("cpu"), torch.float32, tok.eos_token_id)
+    return rollout.HFEngine(str(d / "model"), torch.device("cpu"), torch.float32, tok.eos_token_id, for_training)
 
 
 def tokens(engine):
@@ -67,3 +69,28 @@ def test_sleep_on_the_cpu_moves_nothing(tiny, monkeypatch):
     where = [p.data_ptr() for p in engine.model.parameters()]
     engine.sleep()
     assert engine.parked is None and [p.data_ptr() for p in engine.model.parameters()] == where
+
+
+def test_in_training_sleep_on_cuda_drops_the_weights_and_the_sync_makes_them_anew(tiny, monkeypatch):
+    """stapo.py's engine (make_engine's, for training) asleep on CUDA: no weight left on the device and none
+    copied to host memory (every step's sync rewrites them all); the sync makes each anew from what it pushes,
+    after which the engine samples and scores as one that never slept, synced alike. Woken with no sync, it
+    says so. Breaks with the former sleep, which copied the model to host memory and back every step."""
+    d, tok = tiny
+    engine = rollout.make_engine("hf", str(d / "model"), tok, torch.device("cpu"), 64, 0.5, for_training=True)
+    awake = engine_of(tiny)
+    assert engine.for_training and not engine_of(tiny).for_training  # eval.py's engines keep theirs
+    assert sleep_as_on_cuda(engine, monkeypatch) == [True]
+    assert engine.parked == {} and all(p.numel() == 0 for p in engine.model.parameters())  # nothing kept
+    with pytest.raises(RuntimeError, match="dropped at its sleep, for training; a weight sync"):
+        engine.generate(PROMPTS, 2, 1.0, 1.0, 6, [11, 12])
+    g = torch.Generator().manual_seed(0)
+    new = [(n, p.detach() + 0.01 * torch.randn(p.shape, generator=g))
+           for n, p in awake.model.named_parameters(remove_duplicate=False)]
+    engine.load_weights(iter(new))
+    awake.load_weights(iter(new))
+    assert engine.parked is None and tokens(engine) == tokens(awake)
+    assert engine.logprobs_of([5, 6, 7, 8]) == awake.logprobs_of([5, 6, 7, 8])
+    sleep_as_on_cuda(engine, monkeypatch)
+    with pytest.raises(RuntimeError, match="left 1 weights unset"):  # a sync that misses a weight
+        engine.load_weights(iter(new[1:]))

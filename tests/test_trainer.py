@@ -288,14 +288,14 @@ def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path, monkeypatch):
     silenced (breaks with another entropy cut than S2T's tau_h); the silenced tokens' applied share of the
     gradient is 0 and their share if kept is logged beside it (breaks with the unclipped, unsilenced weight)."""
     d, _ = tiny
-    real_add, split = analysis.TokenAnalysis.add, []
+    real_split, split = analysis.TokenAnalysis.split, []
 
     def checked(self, silenced, candidates, tau_h, entropy, low_p, adv, valid, tokens):
         if tau_h is not None:
             groups = analysis.token_groups(low_p, adv, entropy, valid, tau_h)
             split.append(torch.equal(groups[analysis.SPURIOUS], silenced))
-        return real_add(self, silenced, candidates, tau_h, entropy, low_p, adv, valid, tokens)
-    monkeypatch.setattr(analysis.TokenAnalysis, "add", checked)
+        return real_split(self, silenced, candidates, tau_h, entropy, low_p, adv, valid, tokens)
+    monkeypatch.setattr(analysis.TokenAnalysis, "split", checked)
     stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "2", "--log-silenced", "--tau-p", "0.99",
                                         "--analysis")))
     assert split and all(split)
@@ -521,11 +521,13 @@ def test_compiled_layers_compute_what_the_eager_layers_do(tiny):
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("flags, want", [((), (False, True)),
-                                         (("--compile-layers", "on", "--no-checkpointing"), (True, False))])
+@pytest.mark.parametrize("flags, want", [((), (False, "full")),
+                                         (("--compile-layers", "on", "--no-checkpointing"), (True, "off")),
+                                         (("--checkpointing", "selective"), (False, "selective"))])
 def test_the_speed_flags_reach_the_policy(tiny, tmp_path, monkeypatch, flags, want):
-    """--compile-layers (auto: on CUDA only, so off here) and --no-checkpointing reach policy.build_policy as
-    (compiled, checkpointing). Breaks if either flag is dropped on its way, or if auto compiles on a CPU."""
+    """--compile-layers (auto: on CUDA only, so off here) and --checkpointing (--no-checkpointing: off) reach
+    policy.build_policy as (compiled, checkpointing). Breaks if either flag is dropped on its way, or if auto
+    compiles on a CPU."""
     class Built(Exception):
         pass
 
@@ -585,9 +587,9 @@ def test_the_micro_batch_loops_never_wait_on_the_device(tiny, tmp_path, monkeypa
     reads = HostReads()
     for module in (stapo, policies):
         monkeypatch.setattr(module, "micro_batches", reads.off_during(policies.micro_batches))
-    record = metrics.StepMetrics(0)
+    record = metrics.StepMetrics(0, "stapo")
     record.loss_stats = reads.off_after(record.loss_stats)  # after the loop: the statistics, norms, step
-    assert len([m for m in policies.micro_batches(rows, idx, 80, device) if m]) >= 3  # several micro-batches
+    assert len([m for m in policies.micro_batches(rows, idx, 80) if not m.idle]) >= 3  # several micro-batches
     keep = valid[idx].float()
     denom = float(keep.sum())  # stapo.py's: a number all-reduced before the loop
     with reads:
@@ -731,35 +733,43 @@ def test_bad_split_is_an_error(tiny, tmp_path):
 
 
 def test_micro_batches_are_cut_where_the_fewest_tokens_are_computed():
-    """policy.runs against every way to cut short sorted lists into runs, each within the budget (or one
-    sample alone), in order: at a cost per run (CUDA's cut), the tokens computed (each run padded to its
-    longest) plus the runs' cost are the least there is; with none (CPU's), the fewest runs, each cut as late
-    as it can be (the greedy cut every CPU figure was recorded with). A run padded to its shortest, a cut one
-    sample late or early, or the one cut in the other's place fails it."""
+    """policy.cut_by_length against every way to cut short sorted lists into micro-batches, each within the
+    budget (or one sample alone), in order: the tokens computed (each padded to its longest) plus a cost per
+    micro-batch are the least there is, at the trainer's cost and at others; at a cost that outweighs any
+    padding, that is the fewest micro-batches that fit. A micro-batch padded to its shortest, a cut one sample
+    late or early, or the greedy cut (the fewest, each as long as fits) in its place fails it."""
     import itertools
     import random
     rng = random.Random(0)
     for _ in range(400):
         n = sorted(rng.choice([rng.randint(1, 40), rng.randint(1, 8)]) for _ in range(rng.randint(1, 9)))
-        budget, cost = rng.randint(8, 80), rng.choice([None, 0.0, 1 / 16, 0.5, 1e6])
+        budget, cost = rng.randint(8, 80), rng.choice([policies.MICRO_BATCH_COST, 0.0, 0.5, 1e6])
         scored = []
         for cuts in itertools.product((0, 1), repeat=len(n) - 1):
             bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [len(n)]
             parts = list(zip(bounds, bounds[1:]))
             if all(e - s == 1 or (e - s) * n[e - 1] <= budget for s, e in parts):
-                tokens = sum((e - s) * n[e - 1] for s, e in parts)
-                scored.append((len(parts), [-b for b in bounds], tokens + (cost or 0) * budget * len(parts)))
-        got = policies.runs(n, budget, cost)
+                scored.append((len(parts), sum((e - s) * n[e - 1] for s, e in parts) + cost * budget * len(parts)))
+        got = policies.cut_by_length(n, budget, cost)
         assert [i for part in got for i in range(len(n))[part]] == list(range(len(n))), (n, got)
         assert all(p.stop - p.start == 1 or (p.stop - p.start) * n[p.stop - 1] <= budget for p in got), (n, got)
-        if cost is None:  # the fewest runs, then the latest cuts
-            count, bounds, _ = min(scored)
-            assert [0] + [p.stop for p in got] == [-b for b in bounds], (n, budget, got)
-        else:
-            total = sum(len(n[p]) * n[p.stop - 1] + cost * budget for p in got)
-            assert math.isclose(total, min(x[2] for x in scored)), (n, budget, cost, got)
-    assert policies.runs([], 10) == [] == policies.runs([], 10, 0.5)
-    assert policies.runs([50, 60], 10) == [slice(0, 1), slice(1, 2)] == policies.runs([50, 60], 10, 0.5)
+        total = sum(len(n[p]) * n[p.stop - 1] + cost * budget for p in got)
+        assert math.isclose(total, min(x[1] for x in scored)), (n, budget, cost, got)
+        if cost == 1e6:
+            assert len(got) == min(x[0] for x in scored), (n, budget, got)
+    assert policies.cut_by_length([], 10) == []
+    assert policies.cut_by_length([50, 60], 10) == [slice(0, 1), slice(1, 2)]
+
+
+def test_a_rank_with_fewer_micro_batches_runs_idle_ones(monkeypatch):
+    """Every rank runs as many micro-batches as the rank with the most (FSDP's collectives meet in each): the
+    others come idle, the mini-batch's first sample at weight 0. Breaks if the count is this rank's own, or
+    an idle micro-batch is not marked so (its sample would be trained on twice)."""
+    monkeypatch.setattr(policies, "all_reduce_numbers", lambda n, op: [5.0])  # another rank cuts 5
+    rows = [([1] * 4, [2] * k) for k in (2, 3, 3, 9)]
+    got = policies.micro_batches(rows, [0, 1, 2, 3], 24)
+    assert got[:2] == [(slice(0, 3), False), (slice(3, 4), False)]  # 3 samples padded to 7, then 13 alone
+    assert got[2:] == [(slice(0, 1), True)] * 3
 
 
 def test_step_prompts_split_by_minibatch_and_cover_each_epoch_once():
@@ -888,15 +898,15 @@ def test_the_eight_groups_and_the_gradient_shares_by_hand(tiny):
     old = p.log() - ratio.log()
     s2t = stapo.spurious_tokens(p.log(), ent, adv, valid, args.tau_p, args.q)
     assert s2t.silenced.nonzero().tolist() == [[0, 0]] and s2t.tau_h == pytest.approx(0.725)
-    keep = (valid & ~s2t.silenced).float()
+    keep, ones = (valid & ~s2t.silenced).float(), valid.float()  # no --rollout-is: its weights are 1
     m = analysis.TokenAnalysis("stapo", stapo.clip_settings(args), args.tau_p, args.temperature)
-    analysis.analyse(m, p.log(), ent, collision, old, adv, valid, keep, 5.0, s2t.silenced, s2t.candidates, s2t.tau_h)
+    now, sums = policies.TokenStats(p.log(), ent, collision), dict.fromkeys(analysis.KEYS, 0.0)
+    metrics.accumulate(sums, m.sums(now, old, adv, valid, keep, 5.0, s2t, ones))
     w = ratio * adv[:, None]  # the policy-gradient term's weight, ratio * A
     norm = w.abs() * (1 - 2 * p + collision).sqrt()  # T = 1
     change = -w * p * (p.log() + ent)
     groups = {"posA_lowP_lowH": [(0, 0)], "posA_highP_lowH": [(0, 1)], "posA_lowP_highH": [(0, 2)],
               "negA_highP_lowH": [(1, 0), (1, 2)], "negA_lowP_lowH": [(1, 1)]}
-    sums = m.sums
     for g in analysis.GROUPS:
         cells = groups.get(g, [])
         assert sums[f"{g}/n"] == len(cells), g
@@ -912,8 +922,7 @@ def test_the_eight_groups_and_the_gradient_shares_by_hand(tiny):
     assert row["grad_share/silenced_if_kept"] == pytest.approx(if_kept)
     assert sums["split"] == sums["nonzero"] == 6
     none = stapo.spurious_tokens(p.log(), ent, -adv.abs(), valid, args.tau_p, args.q)  # A < 0: no candidate, no tau_h
-    analysis.analyse(m, p.log(), ent, collision, old, -adv.abs(), valid, valid.float(), 6.0, none.silenced,
-                     none.candidates, none.tau_h)
+    metrics.accumulate(sums, m.sums(now, old, -adv.abs(), valid, valid.float(), 6.0, none, ones))
     assert none.tau_h is None and sums["split"] == 6 and sums["nonzero"] == 12
     assert sum(sums[f"{g}/n"] for g in analysis.GROUPS) == 6  # the mini-batch with no tau_h is in no group
     assert analysis.taxonomy_row(sums)["taxonomy/split"] == 0.5
