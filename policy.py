@@ -164,9 +164,10 @@ def compile_layers(lm, on, backend="inductor"):
     its norms, RoPE, SwiGLU and residual adds, and its checkpoint's recompute (set_checkpointing); shapes are
     dynamic (micro-batches differ in length), FSDP2's hooks run eager (dynamo skips them), and the parameters'
     names stay as they were (checkpoints, syncs). A graph that fails to compile runs eager, with one warning."""
+    backend = eager_on_failure(backend) if on else None  # one for every layer: they share one cache
     for layer in lm.get_decoder().layers:
         if on:
-            layer.compile(dynamic=True, backend=eager_on_failure(backend), recompile_limit=RECOMPILE_LIMIT)
+            layer.compile(dynamic=True, backend=backend, recompile_limit=RECOMPILE_LIMIT)
         else:
             layer._compiled_call_impl = None  # what nn.Module.compile sets; None: the eager forward
 

@@ -1,6 +1,7 @@
 """Several nodes, simulated on this machine: torchrun --nnodes 2 --node-rank 0|1 with a static rendezvous on
-127.0.0.1. HSDP (shard within a node, replicate across nodes) trains what one process trains; a shared --out
-checkpoints and resumes; separate --out folders (node-local disks) fail at once, on every rank, never hang."""
+127.0.0.1. HSDP (shard within a node, replicate across nodes) trains what one process trains, all-reducing the
+gradients across nodes once per update; a shared --out checkpoints and resumes; separate --out folders
+(node-local disks) fail at once, on every rank, never hang, with one line."""
 import json
 import os
 
@@ -18,12 +19,12 @@ pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves the
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def nodes(argv_of_node, per_node, timeout=600):
+def nodes(argv_of_node, per_node, timeout=600, **env):
     """Two torchrun "nodes" of per_node processes each; returns their CompletedProcess-like results."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
                                "--nproc-per-node", str(per_node), "--rdzv-endpoint", f"127.0.0.1:{port}",
                                os.path.join(ROOT, "stapo.py"), *argv_of_node(r)],
@@ -39,13 +40,18 @@ def nodes(argv_of_node, per_node, timeout=600):
 
 def test_two_nodes_of_two_train_as_one_process_and_resume_on_a_shared_out(tiny, tmp_path):
     """2 nodes x 2 ranks (a 2 x 2 HSDP mesh) train 2 steps and checkpoint; 2 nodes x 1 rank resume for a third.
-    The model and every metric equal one process's, the final model is written once, each step logged once."""
+    The model and every metric equal one process's, the final model is written once, each step logged once.
+    Each rank's micro-batches are one sample each, and the gradients cross the nodes once per update and FSDP
+    group, after the last micro-batch (an all-reduce spy counts them): 4 updates x 3 groups (2 layers, the
+    root). Breaks with FSDP2's default, an all-reduce after every micro-batch."""
     d, _ = tiny
-    common = ("--prompts-per-step", "8", "--tau-p", "0.9", "--save-every", "2")
+    common = ("--prompts-per-step", "8", "--tau-p", "0.9", "--save-every", "2", "--micro-tokens", "64")
     stapo.train(stapo.get_args(args_for(d, tmp_path / "one", "--steps", "3", *common)))
     shared = args_for(d, tmp_path / "two", "--steps", "2", *common)
-    for code, out, err in nodes(lambda r: shared, per_node=2):
+    spy = os.path.join(ROOT, "tests", "allreduce_spy")
+    for code, out, err in nodes(lambda r: shared, per_node=2, PYTHONPATH=spy):
         assert code == 0, err[-3000:]
+        assert err.count("all-reduce spy: 12 gradient all-reduces across replicas") == 2, err[-3000:]
     assert sorted(os.listdir(tmp_path / "two" / "ckpt")) == ["step_2"]
     assert json.load(open(tmp_path / "two" / "config.json"))["mesh"] == [2, 2]  # (nodes: replicate, ranks: shard)
     for code, out, err in nodes(lambda r: shared[:-10] + ["--steps", "3", *common, "--resume"], per_node=1):
@@ -61,15 +67,17 @@ def test_two_nodes_of_two_train_as_one_process_and_resume_on_a_shared_out(tiny, 
 
 
 def test_separate_out_folders_fail_at_once_on_every_rank(tiny, tmp_path):
-    """Node-local disks: each node's --out is its own folder. Every rank stops with the reason, at the start,
-    before any training; none waits for a collective that will never come. The property is where they stop
-    (the check's message on every rank, no step logged), not how long it took: a rank left waiting is caught
-    by nodes()'s timeout, a hang guard."""
+    """Node-local disks: each node's --out is its own folder. Every rank stops at the start, before any
+    training, with exit code 2 and no traceback (a user's error), rank 0 saying why in one line; none waits for
+    a collective that will never come. The property is where they stop (no step logged), not how long it took:
+    a rank left waiting is caught by nodes()'s timeout, a hang guard. Broke before: a RuntimeError's
+    traceback on every rank."""
     d, _ = tiny
     results = nodes(lambda r: args_for(d, tmp_path / f"node{r}", "--steps", "2", "--save-every", "1"), per_node=1,
                     timeout=300)
-    for code, out, err in results:
-        assert code != 0
-        assert "rank(s) [1] cannot see what rank 0 wrote there" in err and "every node sees" in err, err[-3000:]
+    for code, out, err in results:  # a user's error: exit code 2, no traceback of ours
+        assert code != 0 and "exitcode  : 2" in err and "stapo.py\", line" not in err, err[-3000:]
+    said = [line for line in results[0][2].splitlines() if "cannot see what rank 0 wrote there" in line]
+    assert len(said) == 1 and "rank(s) [1]" in said[0] and "every node sees" in said[0]  # one line, rank 0's
     for node in ("node0", "node1"):
         assert not os.path.exists(tmp_path / node / "metrics.jsonl")

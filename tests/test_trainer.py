@@ -521,6 +521,100 @@ def test_compiled_layers_compute_what_the_eager_layers_do(tiny):
         torch._dynamo.reset()
 
 
+def layer_cache_entries():
+    """The compiled variants the decoder layers hold: dynamo's cache entries on run_layer's code, which every
+    layer shares, and which its recompile limit counts."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    return len(_debug_get_cache_entry_list(policies.run_layer.__code__))
+
+
+def trainers_call_pattern(policy, opt, args, device, hidden, steps=3):
+    """What stapo.py's steps ask of the policy, on made-up rows: the old pass (no grad) and the updates
+    (forward, backward under checkpointing, a micro-batch of one sample among them) of two mini-batches of
+    varied lengths, and the sync's probe (no grad, one row). Step 0's first micro-batch is one sample padded
+    to exactly the hidden size (dynamo's duck sizing pins a length first compiled equal to another size)."""
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        rows = [(torch.randint(100, (p,), generator=g).tolist(), torch.randint(100, (r,), generator=g).tolist())
+                for p, r in zip(torch.randint(5, 30, (16,), generator=g).tolist(),
+                                torch.randint(1, 30, (16,), generator=g).tolist())]
+        if step == 0:
+            rows[0] = (rows[0][0][:5] + [1] * (hidden - 5 - 20), [2] * 20)  # 64 tokens: alone in its micro-batch
+        lengths = torch.tensor([len(r) for _, r in rows])
+        valid = (torch.arange(int(lengths.max())) < lengths[:, None]).to(device)
+        blocks = [sorted(range(b * 8, b * 8 + 8), key=lambda i: len(rows[i][0]) + len(rows[i][1])) for b in (0, 1)]
+        if step == 0:
+            assert len(rows[blocks[0][-1]][0]) + len(rows[blocks[0][-1]][1]) <= hidden or blocks[0][0] == 0
+        old = [stapo.token_stats(policy, rows, idx, valid, args.micro_tokens, 1.0) for idx in blocks]
+        for idx, o in zip(blocks, old):
+            adv = torch.linspace(-1, 1, len(idx), device=device)
+            mb = stapo.MiniBatch(idx, o.logp, adv, valid[idx].float(), float(valid[idx].sum()))
+            stapo.update(policy, opt, rows, valid, mb, args, metrics.StepMetrics(step, "stapo"))
+        with torch.no_grad():
+            probe = [(rows[0][0], rows[0][1] + rows[1][1])]
+            policies.response_logprobs(policy, probe, [0], torch.ones(1, len(probe[0][1]), dtype=torch.bool), 1.0)
+
+
+@pytest.mark.slow
+def test_compiled_layers_stay_compiled_through_the_trainers_call_pattern(tiny, tmp_path):
+    """Every decoder-layer call of three steps of the trainer's passes (trainers_call_pattern: the old pass,
+    updates with their backward and checkpoint recompute, one-sample micro-batches, the probe, varied lengths,
+    a first micro-batch padded to the hidden size) runs compiled: none is counted eager (run_layer counts the
+    calls that run outside a compiled graph, as when dynamo's recompile limit is hit), and the variants the
+    layers compile stay well under policy.RECOMPILE_LIMIT. Breaks if a variant of the pattern recompiles on
+    every new length, or if the variants outgrow torch's default limit of 8 again (HF's checkpointing, a hook
+    that makes layer 0's input require grad under no_grad, and the recompute's own entries made exactly 8)."""
+    args, policy, opt, device, *_ = one_step_on_four_prompts(tiny, tmp_path, "--micro-tokens", "64")
+    torch._dynamo.reset()
+    policies.compile_layers(policy.lm, True, "aot_eager")  # AOT autograd, as inductor runs it, minus inductor
+    try:
+        before = policies.EAGER_LAYER_CALLS[0]
+        trainers_call_pattern(policy, opt, args, device, policy.lm.config.hidden_size)
+        eager, variants = policies.EAGER_LAYER_CALLS[0] - before, layer_cache_entries()
+        print(f"compiled layers: {variants} variants over 3 steps; {eager} layer calls eager")
+        assert eager == 0 and 0 < variants <= 4 < policies.RECOMPILE_LIMIT  # grad on, off; one sample, more
+    finally:
+        policies.compile_layers(policy.lm, False)
+        torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_layer_calls_that_run_eager_although_compiled_are_counted_and_said(tiny, tmp_path, monkeypatch, capsys):
+    """A run whose compiled layers hit the recompile limit (1 here) counts each layer call that ran eager in its
+    metrics row (eager_layer_calls) and says so in one line with the step; one whose compiler fails on a graph
+    runs it eager, warns once naming --compile-layers off, and trains on; a run of eager layers (--compile-layers
+    off) has no such key. Breaks with a silent fallback (dynamo's own is one log line), or a count that a
+    compiled call also moves."""
+    d, _ = tiny
+    real = policies.compile_layers
+    torch._dynamo.reset()
+    monkeypatch.setattr(policies, "compile_layers", lambda lm, on, backend="inductor": real(lm, on, "aot_eager"))
+    monkeypatch.setattr(policies, "RECOMPILE_LIMIT", 1)
+    try:
+        stapo.train(stapo.get_args(args_for(d, tmp_path / "limit", "--steps", "2", "--compile-layers", "on")))
+        rows = metrics_of(tmp_path / "limit")
+        assert all(x["eager_layer_calls"] > 0 for x in rows), rows
+        said = [line for line in capsys.readouterr().err.splitlines() if "decoder-layer calls ran eager" in line]
+        assert len(said) == 2 and "step 1: " in said[0] and "--compile-layers off" in said[0]  # after tqdm's bar
+        torch._dynamo.reset()
+        monkeypatch.setattr(policies, "RECOMPILE_LIMIT", 64)
+
+        def broken(graph, example_inputs):
+            raise RuntimeError("no C++ compiler here")
+        monkeypatch.setattr(policies, "compile_layers", lambda lm, on, backend="inductor": real(lm, on, broken))
+        policies.COMPILE_FAILED.clear()
+        with pytest.warns(UserWarning, match=r"torch.compile of a decoder layer failed.*no C\+\+ compiler here.*"
+                                             r"--compile-layers off runs every layer eager") as caught:
+            stapo.train(stapo.get_args(args_for(d, tmp_path / "broken", "--steps", "2", "--compile-layers", "on")))
+        assert len([w for w in caught if "decoder layer" in str(w.message)]) == 1 and policies.COMPILE_FAILED
+        assert all(x["grad_norm"] > 0 for x in metrics_of(tmp_path / "broken"))
+    finally:
+        torch._dynamo.reset()
+        policies.COMPILE_FAILED.clear()
+    stapo.train(stapo.get_args(args_for(d, tmp_path / "eager", "--steps", "1")))
+    assert "eager_layer_calls" not in metrics_of(tmp_path / "eager")[0]
+
+
 @pytest.mark.parametrize("flags, want", [((), (False, "full")),
                                          (("--compile-layers", "on", "--no-checkpointing"), (True, "off")),
                                          (("--checkpointing", "selective"), (False, "selective"))])
@@ -650,6 +744,32 @@ def test_a_non_finite_gradient_skips_the_update(tiny, tmp_path, monkeypatch, cap
     assert metrics["skipped_updates"] == 0 and metrics["grad_norm"] > 0
     after = {k: v.full_tensor() for k, v in policy.state_dict().items()}
     assert all(torch.isfinite(v).all() for v in after.values()) and any(not torch.equal(before[k], after[k]) for k in before)
+
+
+NAN_LOSS = """
+import math, sys
+sys.path.insert(0, sys.argv[1])
+import parallel, stapo
+real = stapo.stapo_loss
+stapo.stapo_loss = lambda *a, **k: (lambda loss, st: (loss * math.nan, st))(*real(*a, **k))
+parallel.run_program(lambda: stapo.train(stapo.get_args(sys.argv[2:])))
+"""
+
+
+@pytest.mark.slow
+def test_a_skipped_update_is_counted_once_on_two_ranks(tiny, tmp_path):
+    """Two ranks, every loss NaN: each of the step's 2 updates is skipped on both ranks (the norm is global),
+    and skipped_updates counts 2, not 4, with one line for each on stderr (rank 0's). Breaks with the count
+    summed over ranks, as it was (one skipped update logged as 8 on 8 GPUs)."""
+    d, _ = tiny
+    (tmp_path / "nan.py").write_text(NAN_LOSS)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(tmp_path / "nan.py"), ROOT, *args_for(d, tmp_path / "out", "--steps", "1")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = metrics_of(tmp_path / "out")
+    assert row["skipped_updates"] == 2 and math.isnan(row["grad_norm"])
+    assert r.stderr.count("the gradient norm is nan; this update is skipped") == 2
 
 
 def test_method_objectives_on_a_fixed_batch(tiny):
@@ -879,6 +999,52 @@ def test_an_unchanged_policy_has_a_ratio_of_exactly_one_in_every_mini_batch(tiny
         assert passes[:4] == blocks  # the old pass: mini-batch by mini-batch, each then micro-batched alone
         assert passes[4:] == blocks[1:]  # then the current policy's, after each update (none before the first)
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_trainer_with_compiled_layers_trains_as_with_eager_ones(tiny, tmp_path, monkeypatch, one_thread, dtype):
+    """stapo.train with its decoder layers compiled by inductor (what a GPU runs, lowered to C++ here), against
+    eager layers. At lr 0 every mini-batch's ratio is exactly 1 in every micro-batch, in fp32 and bf16: the old
+    pass's no-grad graphs and the update's training graphs compute the same log p (so here; docs/training.md:
+    compiled layers). Trained 2 steps at lr 1e-3, the model and every metric match eager layers': fp32, within
+    assert_same_params' 2e-5 and 1e-4 of each metric (reordered sums); bf16, step 1 only (step 2 samples from
+    weights already apart), its gradient norm within 5% and the model within 1e-2. No layer call runs eager.
+    Breaks if compiled layers compute something else, if the old pass and the update disagree (a ratio off 1
+    clips, and the loss is not the paper's), or if the layers fall back to eager."""
+    d, _ = tiny
+    seen, real_loss = [], stapo.stapo_loss
+
+    def recording(logp, old_logp, adv, keep, *a, **k):
+        seen.append((logp.detach().float() - old_logp.float())[keep > 0])
+        return real_loss(logp, old_logp, adv, keep, *a, **k)
+    monkeypatch.setattr(stapo, "stapo_loss", recording)
+    common = ("--minibatches", "4", "--prompts-per-step", "8", "--micro-tokens", "40", "--dtype", dtype)
+    torch._dynamo.reset()
+    try:
+        stapo.train(stapo.get_args(args_for(d, tmp_path / "lr0", "--steps", "1", "--lr", "0", "--compile-layers",
+                                            "on", *common)))
+        assert len(seen) >= 8 and all(torch.equal(x, torch.zeros_like(x)) for x in seen), [x.abs().max() for x in seen]
+        m = metrics_of(tmp_path / "lr0")[0]
+        print(f"compiled {dtype}: ratio 1 in {len(seen)} micro-batches; sync probe gap {m['sync_probe_gap_mean']:.2e} "
+              f"mean, {m['sync_probe_gap']:.2e} max")
+        trained = ("--steps", "2", "--lr", "1e-3", "--warmup-steps", "0", *common)
+        stapo.train(stapo.get_args(args_for(d, tmp_path / "compiled", "--compile-layers", "on", *trained)))
+    finally:
+        torch._dynamo.reset()
+    stapo.train(stapo.get_args(args_for(d, tmp_path / "eager", *trained)))
+    compiled, eager = metrics_of(tmp_path / "compiled"), metrics_of(tmp_path / "eager")
+    assert all(x["eager_layer_calls"] == 0 for x in compiled + [m])
+    for x in compiled + eager:  # the sync's probe gap is the trainer's against the engine's eager layers
+        x.pop("eager_layer_calls", None), x.pop("sync_probe_gap"), x.pop("sync_probe_gap_mean")
+    a, b = load_params(tmp_path / "compiled" / "model"), load_params(tmp_path / "eager" / "model")
+    if dtype == "fp32":
+        assert_same_params(a, b)
+        assert_same_metrics(compiled, eager)
+    else:
+        assert compiled[0]["reward_mean"] == eager[0]["reward_mean"]  # the same samples in step 1
+        assert compiled[0]["grad_norm"] == pytest.approx(eager[0]["grad_norm"], rel=0.05)
+        assert_same_params(a, b, atol=1e-2)
 
 
 def test_the_eight_groups_and_the_gradient_shares_by_hand(tiny):
