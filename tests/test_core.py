@@ -7,7 +7,8 @@ import torch
 from head import ChunkedHead, token_logprobs_and_entropy
 from analysis import GROUPS, SPURIOUS, entropy_change, logit_gradient_norm, loss_token_weight, token_groups
 from rollout_is import rollout_is_weights
-from stapo_core import group_advantages, quantile, s2t_candidates, s2t_mask, s2t_threshold, stapo_loss
+from stapo_core import (group_advantages, quantile, s2t_candidates, s2t_mask, s2t_silence, s2t_threshold,
+                        stapo_loss)
 
 
 # ---------------------------------------------------------------- group_advantages
@@ -82,7 +83,8 @@ def test_s2t_mask_empty_candidates_and_tau_h_override():
 
 def test_a_data_parallel_threshold_in_three_calls_equals_one_process():
     """Two "ranks" hold rows 0-1 and 2-5 of one batch. Candidates' entropies per rank, gathered, give
-    s2t_threshold's tau_h; each rank's s2t_mask with it equals one process's mask of the whole batch.
+    s2t_threshold's tau_h; each rank's s2t_mask with it, and s2t_silence of its candidates with it, equal one
+    process's mask of the whole batch.
     A per-rank threshold (s2t_mask without tau_h on each part) differs here, so the test can fail."""
     g = torch.Generator().manual_seed(3)
     logp, ent = -torch.rand(6, 7, generator=g) * 9, torch.rand(6, 7, generator=g) * 3
@@ -93,6 +95,8 @@ def test_a_data_parallel_threshold_in_three_calls_equals_one_process():
     tau_h = s2t_threshold(gathered)
     assert torch.equal(torch.cat([s2t_mask(logp[r], ent[r], adv[r], valid[r], 0.01, tau_h=tau_h)
                                   for r in parts]), whole)
+    assert torch.equal(torch.cat([s2t_silence(s2t_candidates(logp[r], adv[r], valid[r], 0.01), ent[r], tau_h)
+                                  for r in parts]), whole)  # the three calls of the recipe, the last alone
     per_rank = torch.cat([s2t_mask(logp[r], ent[r], adv[r], valid[r], 0.01) for r in parts])
     assert not torch.equal(per_rank, whole) and whole.any()
     assert s2t_threshold(torch.zeros(0)) is None

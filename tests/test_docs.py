@@ -3,6 +3,7 @@
 page."""
 import ast
 import glob
+import inspect
 import io
 import os
 import re
@@ -31,6 +32,39 @@ def test_every_implementation_detail_quotes_a_line_of_its_file():
         if lines.count(code) != 1:
             wrong.append(f"{path[3:]} has {lines.count(code)} lines that read `{code}`")
     assert not wrong, "\n".join(wrong)
+
+
+def api_table():
+    """The README's API table: (module, name, its parameters as written: [(name, default or no default)])."""
+    import stapo_core
+    text = open(os.path.join(ROOT, "README.md")).read()
+    start = text.index("| function | what it returns |")
+    rows = []
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("| `"):
+            break
+        signature = line.split("`")[1]
+        module, _, name = signature.split("(")[0].rpartition(".")
+        tree = ast.parse(f"def {signature.split('.', 1)[-1] if module else signature}: pass").body[0].args
+        defaults = [None] * (len(tree.args) - len(tree.defaults)) + [ast.literal_eval(d) for d in tree.defaults]
+        has = [False] * (len(tree.args) - len(tree.defaults)) + [True] * len(tree.defaults)
+        rows.append((module or stapo_core.__name__, name,
+                     [(a.arg, d if h else inspect.Parameter.empty) for a, d, h in zip(tree.args, defaults, has)]))
+    return rows
+
+
+def test_the_readme_api_table_is_the_codes_signatures():
+    """Every row of the README's API table gives its function's parameters, in order, with the defaults the
+    code has: a changed default, a renamed, dropped or reordered parameter fails here (the drift test above
+    resolves names only). Broke before: head.token_logprobs_and_entropy's chunk_size (None in the README,
+    128 in the code)."""
+    import importlib
+    rows = api_table()
+    assert len(rows) >= 7 and {n for _, n, _ in rows} >= {"stapo_loss", "s2t_mask", "token_logprobs_and_entropy"}
+    for module, name, written in rows:
+        function = getattr(importlib.import_module(module), name)
+        actual = [(p.name, p.default) for p in inspect.signature(function).parameters.values()]
+        assert written == actual, f"README: {module}.{name}{written}; code: {actual}"
 
 
 def test_the_readme_reaches_every_page():

@@ -58,6 +58,45 @@ def loss_and_grads(loss_fn, trainer, batch):
     return loss.detach(), [p.grad.clone() for p in trainer.model.parameters()]
 
 
+def host_reads(fn, *args):
+    """fn(*args) and the aten calls in it that read a tensor back to the host (.item(), float(), bool())."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("_local_scalar_dense", "is_nonzero"):
+                self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    with Reads():
+        out = fn(*args)
+    return out, len(Reads.seen)
+
+
+def test_the_statistics_are_read_once_per_log_not_per_micro_batch(folder):
+    """The subclass keeps the loss's statistics, S2T's silenced fraction and tau_h as 0-dim tensors, and reads
+    them all at once when TRL logs: the host reads of a micro-batch's loss are only those of TRL's own forward
+    (transformers' causal mask) and of the gather of each process's candidate count, and log() writes each
+    statistic's mean over the micro-batches since the last log. Breaks with a float(stats[...]) per
+    micro-batch, as the example had."""
+    trainer, batch = one_batch(folder, tau_p=0.5)
+    _, forward = host_reads(trainer._logps_and_entropies, trainer.model, batch)
+    _, gather = host_reads(trainer._gather_cat, torch.ones(3))
+    kept = []
+    for _ in range(3):
+        _, reads = host_reads(STAPOTrainer._compute_loss, trainer, trainer.model, batch)
+        assert reads == forward + gather, (reads, forward, gather)
+    stats = trainer._stapo_stats["train"]
+    assert set(stats) == {"silenced_frac", "tau_h", "clip_low", "clip_high"}
+    assert all(len(v) == 3 and all(isinstance(x, torch.Tensor) and x.dim() == 0 for x in v) for v in stats.values())
+    kept = {k: torch.stack(v).mean().item() for k, v in stats.items()}
+    trainer.log({})
+    logged = trainer.state.log_history[-1]
+    assert {k: logged[f"stapo/{k}"] for k in kept} == pytest.approx(kept) and not trainer._stapo_stats
+    assert 0 < logged["stapo/silenced_frac"] < 1
+
+
 def test_nothing_silenced_and_no_dual_clip_is_trls_dapo_loss(folder):
     """tau_p = 0, clip_c=None, max_log_ratio=inf: the subclass's loss and every parameter gradient equal
     TRL's loss_type="dapo" on the same batch: on policy, with clipping active (old log p + N(0, 0.3)), and
