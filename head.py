@@ -38,15 +38,15 @@ def chunk_stats(h, w, tokens, temperature, collision: bool):
     sum pi^2 (None unless collision), each [n] in fp32. The logits z = h @ w.T are rounded to w's dtype, as
     the model's own head rounds them, then worked on in fp32, in place: z is this function's own buffer."""
     z = (h.to(w.dtype) @ w.T).float().div_(temperature)
-    top = z.amax(-1, keepdim=True)
-    z.sub_(top)  # z <= 0, the mode at 0: no cancellation in H for peaked distributions
+    zmax = z.amax(-1, keepdim=True)
+    z.sub_(zmax)  # z <= 0, the mode at 0: no cancellation in H for peaked distributions
     e = z.exp()  # pi * total
     total = e.sum(-1)
     log_total = total.log()
     logp = z.gather(-1, tokens[:, None])[:, 0] - log_total
     sum_sq = (e * e).sum(-1) / total ** 2 if collision else None
     entropy = log_total - e.mul_(z).sum(-1) / total  # -sum pi log pi; e is e * z from here
-    return top[:, 0] + log_total, logp, entropy, sum_sq
+    return zmax[:, 0] + log_total, logp, entropy, sum_sq
 
 
 def slice_grad(h, w, logz, scale, column, temperature):

@@ -119,16 +119,16 @@ class StepMetrics:
 
     def finish(self, lr, probe_gap, group_size):
         """The step's row of metrics.jsonl (the same on every rank), and this rank's silenced tokens."""
-        n, analysed, top, is_min = over_ranks(self)
+        n, analysed, most, is_min = over_ranks(self)
         grad, head = zip(*self.norms)
-        row = {"step": self.step + 1, **rollout_row(n, top["longest"], group_size), **s2t_row(self, n),
+        row = {"step": self.step + 1, **rollout_row(n, most["longest"], group_size), **s2t_row(self, n),
                "lr": lr, "grad_norm": sum(grad) / len(grad), "lm_head_grad_norm": list(head),
                "skipped_updates": self.skips}
-        peaks = [top[f"peak_gb/{phase}"] for phase in self.peaks]
-        row.update(sync_row(n, top["gap_max"], probe_gap), **resources_row(self, n["tokens"], peaks))
-        row.update(importance_row(n, is_min, top["is_max"]))
+        peaks = [most[f"peak_gb/{phase}"] for phase in self.peaks]
+        row.update(sync_row(n, most["gap_max"], probe_gap), **resources_row(self, n["tokens"], peaks))
+        row.update(importance_row(n, is_min, most["is_max"]))
         row.update(self.analysis.row(analysed) if self.analysis else {})
-        row.update(layers_row(self, top["eager_layer_calls"]) if self.layer_calls else {})
+        row.update(layers_row(self, most["eager_layer_calls"]) if self.layer_calls else {})
         return row, self.silenced
 
 
@@ -139,9 +139,9 @@ def over_ranks(m):
     eager = m.layer_calls[0] - m.eager_from if m.layer_calls else 0
     maxima = {"longest": m.longest, "gap_max": m.gap_max, "is_max": m.is_max, "eager_layer_calls": eager,
               **{f"peak_gb/{phase}": gb for phase, gb in m.peaks.items()}}
-    top = dict(zip(maxima, all_reduce_numbers(*maxima.values(), op=dist.ReduceOp.MAX)))
+    most = dict(zip(maxima, all_reduce_numbers(*maxima.values(), op=dist.ReduceOp.MAX)))
     is_min = all_reduce_numbers(m.is_min, op=dist.ReduceOp.MIN)[0]
-    return dict(zip(SUMS, summed)), dict(zip(m.analysed, summed[len(SUMS):])), top, is_min
+    return dict(zip(SUMS, summed)), dict(zip(m.analysed, summed[len(SUMS):])), most, is_min
 
 
 def accumulate(sums, counts):

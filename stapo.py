@@ -132,7 +132,7 @@ def get_args(argv=None):
 
 def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
     """One step of the paper's loop (Algorithm 1) on this rank's prompts: (metrics, silenced)."""
-    G, record = args.group_size, step_metrics(step, tok, args, policy)
+    G, tally = args.group_size, step_metrics(step, tok, args, policy)
 
     # 1. Rollout: G samples per prompt from the engine (the policy as of the last sync), each seeded
     seeds = [seed_of(args.seed, step, g) for g, _, _ in prompts]
@@ -146,7 +146,7 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
 
     # 3. Advantages: normalised within each group of G
     batch = make_batch(prompts, groups, group_advantages(rewards, G), device)
-    record.rollout([s for g in groups for s in g], batch.rows, rewards, G)
+    tally.rollout([s for g in groups for s in g], batch.rows, rewards, G)
 
     # 4. The old policy: log p of every sampled token before any update, each mini-batch in the
     #    micro-batches its update will use (same shapes: an unchanged policy gives ratio 1 exactly)
@@ -157,17 +157,17 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
                                      args.temperature, collision=args.analysis)
     batch.weight, rho = rollout_is_weights(batch.old.logp, batch.sampler, batch.valid, args.rollout_is,
                                            args.rollout_is_cap, args.rollout_is_mode)  # ones unless --rollout-is
-    record.old_policy(batch.valid, batch.old, batch.sampler, rho)
+    tally.old_policy(batch.valid, batch.old, batch.sampler, rho)
 
     # 5. Mini-batch updates: S2T on the current policy's p and H, the loss, an optimizer step each
     lr = set_lr(opt, args, step)
     for b, idx in enumerate(blocks):
-        train_minibatch(policy, opt, batch, idx, b == 0, args, record)
+        train_minibatch(policy, opt, batch, idx, b == 0, args, tally)
 
     # 6. Sync the engine to the new policy, and prove it
     probe_gap = sync_engine(engine, policy, probe, device)
-    record.peak("sync")
-    return record.finish(lr, probe_gap, G)
+    tally.peak("sync")
+    return tally.finish(lr, probe_gap, G)
 
 
 def step_metrics(step, tok, args, policy):
@@ -225,7 +225,7 @@ class MiniBatch:
     denom: float                # the kept count over all ranks: the loss's denominator
 
 
-def train_minibatch(policy, opt, batch, idx, first, args, record):
+def train_minibatch(policy, opt, batch, idx, first, args, tally):
     """Step 5 of Algorithm 1 on one mini-batch: the current policy's p and H, S2T (the mask M), the token
     weights, an update."""
     old, valid, adv = batch.old[idx], batch.valid[idx], batch.adv[idx]
@@ -234,12 +234,12 @@ def train_minibatch(policy, opt, batch, idx, first, args, record):
     else:
         now = token_stats(policy, batch.rows, idx, batch.valid, args.micro_tokens, args.temperature,
                           collision=args.analysis)
-    record.peak("forward")
+    tally.peak("forward")
     s2t = spurious_tokens(now.logp, now.entropy, adv, valid, args.tau_p, args.q)
     keep, denom = token_weights(args.method, now.entropy, valid, s2t)
     mb = MiniBatch(idx, old.logp, adv, keep * batch.weight[idx], denom)
-    norms = update(policy, opt, batch.rows, batch.valid, mb, args, record)
-    record.minibatch(batch, mb, s2t, now, norms)
+    norms = update(policy, opt, batch.rows, batch.valid, mb, args, tally)
+    tally.minibatch(batch, mb, s2t, now, norms)
 
 
 class SpuriousTokens(NamedTuple):
@@ -282,7 +282,7 @@ def clip_settings(args):
     return args.eps_low, args.eps_high, args.clip_c
 
 
-def update(policy, opt, rows, valid, mb, args, record):
+def update(policy, opt, rows, valid, mb, args, tally):
     """One optimizer step on a mini-batch (paper: maximise J_STAPO); returns the gradient's norm and the LM
     head's, before the clip. FSDP2 reduce-scatters the gradients after every micro-batch, so no rank ever
     holds an unsharded gradient of the whole model. A non-finite norm (one bad batch) skips the step, as
@@ -295,17 +295,17 @@ def update(policy, opt, rows, valid, mb, args, record):
         policy.set_requires_all_reduce(i == len(parts) - 1)  # several nodes: across them once, after the last
         (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is global
         stats.append(st)
-    record.loss_stats(stats)  # read once, after the loop: no wait on the device inside it
-    record.peak("backward")
+    tally.loss_stats(stats)  # read once, after the loop: no wait on the device inside it
+    tally.peak("backward")
     head = head_grad_norm(policy)
     norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
     norm = float(full_tensor(norm))
     if math.isfinite(norm):
         opt.step()
     else:
-        record.skipped(norm)
+        tally.skipped(norm)
     opt.zero_grad(set_to_none=True)
-    record.peak("optimizer")
+    tally.peak("optimizer")
     return norm, head
 
 
@@ -328,13 +328,13 @@ def sync_engine(engine, policy, probe, device):
     want = response_logprobs(policy, rows, [0], valid, 1.0).logp[0]
     policy.reshard()  # the root (embeddings, lm_head) would stay gathered through the rollout
     gap = (torch.tensor(engine.logprobs_of(probe), device=device) - want).abs()
-    mean, top = float(gap.mean()), float(gap.max())
+    mean, largest = float(gap.mean()), float(gap.max())
     tolerance = SYNC_TOLERANCE[engine.dtype]
-    if not (mean <= tolerance[0] and top <= tolerance[1]):
+    if not (mean <= tolerance[0] and largest <= tolerance[1]):
         raise RuntimeError(f"engine weight sync: the engine's log-probs of the probe differ from "
-                           f"the trainer's by {mean:.3g} on average, {top:.3g} at most; the "
+                           f"the trainer's by {mean:.3g} on average, {largest:.3g} at most; the "
                            f"tolerance is {tolerance} (a stale, partial or mis-mapped sync)")
-    return mean, top
+    return mean, largest
 
 
 # ---- main ----------------------------------------------------------------------------------------

@@ -229,12 +229,12 @@ def old_pass(P, policy, rows, idx, valid, micro_tokens, temperature):
     return P.token_stats(policy, rows, idx, valid, micro_tokens, temperature).logp
 
 
-def run_update(S, policy, opt, batch, idx, old_logp, args, record):
+def run_update(S, policy, opt, batch, idx, old_logp, args, tally):
     """stapo.update on mini-batch idx, every token kept (keep = valid): its MiniBatch built by field name."""
     valid = batch.valid[idx]
     parts = dict(idx=idx, keep=valid, denom=float(valid.sum()), old_logp=old_logp, adv=batch.adv[idx])
     mb = S.MiniBatch(**{f.name: parts[f.name] for f in dataclasses.fields(S.MiniBatch)})
-    return S.update(policy, opt, batch.rows, batch.valid, mb, args, record)
+    return S.update(policy, opt, batch.rows, batch.valid, mb, args, tally)
 
 
 def full_logits_head(hidden, weight, tokens, temperature, chunk_size=None, collision=False):
@@ -432,9 +432,9 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder,
         state["old"] = old_pass(P, policy, batch.rows, idx, batch.valid, a.micro_tokens, args.temperature)
 
     def update():
-        record = StepMetrics(0, "stapo")
-        run_update(S, policy, opt, batch, idx, state["old"], args, record)
-        return record
+        tally = StepMetrics(0, "stapo")
+        run_update(S, policy, opt, batch, idx, state["old"], args, tally)
+        return tally
 
     def full_logits():
         P.ChunkedHead = types.SimpleNamespace(apply=full_logits_head)  # policy's name for the head
@@ -464,7 +464,7 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder,
             reset_peak(cuda)
             t = time.perf_counter()
             try:
-                record, counted = counting_syncs(fn, cuda) if r else (fn(), None)
+                tally, counted = counting_syncs(fn, cuda) if r else (fn(), None)
             except torch.OutOfMemoryError as e:
                 print_error(e, phase=phase, lengths=dist_name, lever=lever, error="OOM")
                 torch.cuda.empty_cache()
@@ -477,7 +477,7 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder,
             if cuda:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t
-            inner = list(getattr(record, "peaks", {}).values())  # the trainer's own marks reset the peak
+            inner = list(getattr(tally, "peaks", {}).values())  # the trainer's own marks reset the peak
             peaks.append(max([peak_gib(cuda)] + inner) - held)
             if r:  # the first is the warm-up (compiles, allocator growth)
                 times.append(seconds)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import tokenize
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINK = re.compile(r"\[`([^`]+)`\]\(((?:\.\./)?[a-z_]+\.py)\)")  # [`a line of code`](../file.py)
 PAGE = re.compile(r"\]\(((?!https?:|#)[^)\s]+)\)")  # a markdown link to a file of this repository
@@ -65,6 +67,44 @@ def test_the_readme_api_table_is_the_codes_signatures():
         function = getattr(importlib.import_module(module), name)
         actual = [(p.name, p.default) for p in inspect.signature(function).parameters.values()]
         assert written == actual, f"README: {module}.{name}{written}; code: {actual}"
+
+
+DIFF = re.compile(r"```diff ([a-z_]+\.py)\n(.*?)```", re.S)
+
+
+def test_the_ladders_diffs_are_lines_of_the_code_that_runs():
+    """docs/ladder.md climbs from GRPO to STAPO in diffs of the code: every line of each diff, its +, - or space
+    aside, is one whole line of the file the diff names, and no other line of it reads the same (as
+    docs/implementation.md's quotes). A changed line of token_weights, clip_settings or S2T breaks its rung."""
+    text = open(os.path.join(ROOT, "docs", "ladder.md")).read()
+    blocks = DIFF.findall(text)
+    assert len(blocks) >= 4 and {path for path, _ in blocks} == {"stapo.py", "stapo_core.py"}
+    wrong = []
+    for path, body in blocks:
+        lines = [line.strip() for line in open(os.path.join(ROOT, path)).read().splitlines()]
+        for line in body.splitlines():
+            assert line[:1] in "+- ", f"ladder.md: a diff line of {path} starts with none of + - space: {line}"
+            if lines.count(line[1:].strip()) != 1:
+                wrong.append(f"{path} has {lines.count(line[1:].strip())} lines that read `{line[1:].strip()}`")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.slow
+def test_each_rung_of_the_ladder_runs_and_prints_what_the_page_shows(tmp_path, capsys):
+    """Each rung's command (`python examples/toy.py --method M ...` in docs/ladder.md) runs as written, here
+    shortened (2 RL steps after a 5-step warm start: the page's runs are the toy's full ones), and ends as the
+    page shows it ending: the S2T summary, then the accuracy line."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import toy
+    text = open(os.path.join(ROOT, "docs", "ladder.md")).read()
+    commands = re.findall(r"^python examples/toy\.py (.*?)(?:\s+#.*)?$", text, re.M)
+    assert [c.split()[1] for c in commands] == ["grpo", "justrl", "stapo"]
+    for command in commands:
+        argv = command.split()
+        argv[argv.index("--out") + 1] = str(tmp_path / argv[1])
+        toy.main(argv + ["--steps", "2", "--sft-steps", "5", "--no-figure"])
+        printed = capsys.readouterr().out.splitlines()
+        assert printed[-1].startswith("toy: accuracy ") and any(x.startswith("S2T") for x in printed)
 
 
 def test_the_readme_reaches_every_page():

@@ -681,15 +681,15 @@ def test_the_micro_batch_loops_never_wait_on_the_device(tiny, tmp_path, monkeypa
     reads = HostReads()
     for module in (stapo, policies):
         monkeypatch.setattr(module, "micro_batches", reads.off_during(policies.micro_batches))
-    record = metrics.StepMetrics(0, "stapo")
-    record.loss_stats = reads.off_after(record.loss_stats)  # after the loop: the statistics, norms, step
+    tally = metrics.StepMetrics(0, "stapo")
+    tally.loss_stats = reads.off_after(tally.loss_stats)  # after the loop: the statistics, norms, step
     assert len([m for m in policies.micro_batches(rows, idx, 80) if not m.idle]) >= 3  # several micro-batches
     keep = valid[idx].float()
     denom = float(keep.sum())  # stapo.py's: a number all-reduced before the loop
     with reads:
         old = stapo.token_stats(policy, rows, idx, valid, args.micro_tokens, args.temperature)
         mb = stapo.MiniBatch(idx, old.logp, torch.linspace(-1, 1, len(idx)), keep, denom)
-        norm, _ = stapo.update(policy, opt, rows, valid, mb, args, record)
+        norm, _ = stapo.update(policy, opt, rows, valid, mb, args, tally)
     assert reads.seen == [] and norm > 0
 
 
