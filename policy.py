@@ -5,7 +5,7 @@ checkpoint read once; and the micro-batched passes of stapo.py's step over it.
 import math
 import warnings
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import NamedTuple
 
 import torch
@@ -172,6 +172,7 @@ def compile_layers(lm, on, backend="inductor"):
             layer._compiled_call_impl = None  # what nn.Module.compile sets; None: the eager forward
 
 
+@cache  # one per backend: a new one would make dynamo compile every layer's variants again
 def eager_on_failure(backend):
     """`backend` (a name or a compiler), whose failure on a graph warns once and runs that graph eager."""
     compile_graph = torch._dynamo.lookup_backend(backend)
