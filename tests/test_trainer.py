@@ -1,4 +1,5 @@
 """The trainer on a tiny offline Qwen3: objectives, distribution invariance, resume, degenerate batches, data."""
+import contextlib
 import hashlib
 import json
 import math
@@ -613,6 +614,52 @@ def test_layer_calls_that_run_eager_although_compiled_are_counted_and_said(tiny,
         policies.COMPILE_FAILED.clear()
     stapo.train(stapo.get_args(args_for(d, tmp_path / "eager", "--steps", "1")))
     assert "eager_layer_calls" not in metrics_of(tmp_path / "eager")[0]
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_checkpointing_full_selective_and_off_give_the_same_gradients(tiny, compiled):
+    """--checkpointing full, selective and off: the same log p and every parameter's gradient, bit for bit, eager
+    and compiled (aot_eager: the checkpoint inside the compiled graph, as inductor takes it). What differs is
+    what the backward recomputes, counted in its matmuls: full replays the forward's, selective recomputes
+    none (it keeps the matmuls' and attention's outputs), off has nothing to recompute. Breaks if a mode is
+    dropped on its way to the layers, or if selective keeps nothing (it would recompute as full does)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    d, _ = tiny
+    rank, world, device, mesh = parallel.init_distributed()
+    g = torch.Generator().manual_seed(0)
+    rows = [(torch.randint(100, (p,), generator=g).tolist(), torch.randint(100, (r,), generator=g).tolist())
+            for p, r in ((3, 4), (5, 2), (2, 7))]
+    valid = torch.arange(7) < torch.tensor([len(r) for _, r in rows])[:, None]
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket.__name__ in ("mm", "addmm", "bmm")
+            return func(*args, **(kwargs or {}))
+
+    out = {}
+    torch._dynamo.reset()
+    try:
+        for mode in ("full", "selective", "off"):
+            policy = policies.build_policy(str(d / "model"), mesh, device, torch.float32, compiled, mode)
+            if compiled:
+                policies.compile_layers(policy.lm, True, "aot_eager")
+            logp = policies.response_logprobs(policy, rows, [0, 1, 2], valid, 1.0).logp
+            backward = Matmuls()
+            with backward if not compiled else contextlib.nullcontext():  # a compiled backward is one graph
+                (logp * valid).sum().backward()
+            grads = [p.grad.full_tensor() for p in policy.parameters()]
+            out[mode] = logp.detach(), grads, backward.count
+    finally:
+        torch._dynamo.reset()
+    for mode in ("selective", "off"):
+        assert torch.equal(out[mode][0], out["full"][0]), mode
+        assert all(torch.equal(a, b) for a, b in zip(out[mode][1], out["full"][1])), mode
+    if not compiled:
+        assert out["selective"][2] == out["off"][2] < out["full"][2], {m: o[2] for m, o in out.items()}
 
 
 @pytest.mark.parametrize("flags, want", [((), (False, "full")),
