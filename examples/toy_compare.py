@@ -187,7 +187,7 @@ def main(argv=None):
     base = os.path.join(a.out, "base")
     ta = toy.parse(["--out", a.out, "--sft-steps", str(a.sft_steps), "--method", methods[0]]
                    + (["--hard"] if a.hard else []))[1]
-    if not os.path.exists(os.path.join(base, "model.safetensors")):
+    if not a.table_only and not os.path.exists(os.path.join(base, "model.safetensors")):
         toy.prepare(ta)
     jobs = [(m, s, os.path.join(a.out, f"{m}_s{s}")) for s in seeds for m in methods]
     launch([(toy_command(a, f, m, s, base), {}, f) for m, s, f in jobs
