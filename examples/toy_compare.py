@@ -20,7 +20,8 @@ comparison continues where it stopped. Then it prints one table, the mean and a 
                           (grad_share/silenced_if_kept), the mean over steps
 with a last row for the first two objectives' difference, seed by seed (paired: a seed's runs share the warm
 start, the data order and the samples' seeds), over the seeds both finished; a seed that only one of them
-finished is left out of that row, and a line under the table names it. The t factor is Student's for the
+finished is left out of that row, and a line under the table names it. A second table gives each run's own
+held-out accuracy, entropy rise and S2T's set (over the run and its last quarter). The t factor is Student's for the
 row's own number of seeds (curves.t975). It draws <out>/bands.png: each objective's mean over seeds with a
 band (the 95% t-interval for its number of seeds) per step.
 """
@@ -114,6 +115,15 @@ def table(results, before):
     return lines
 
 
+def per_seed(results, columns=("held-out accuracy", "entropy rise", "S2T's set per 1e4", "… last quarter")):
+    """Markdown: each run's own figures, a row per objective and seed (what the means above are over)."""
+    lines = [f"| objective | seed | {' | '.join(columns)} |", "|---" * (len(columns) + 2) + "|"]
+    for method, runs in results.items():
+        for seed in sorted(runs):
+            lines.append(f"| {method} | {seed} | " + " | ".join(f"{runs[seed][c]:.3f}" for c in columns) + " |")
+    return lines
+
+
 def launch(jobs, at_once):
     """Run each job (command, extra environment, folder) as its own process, at_once of them at a time,
     each on one thread; its output goes to <folder>/run.log."""
@@ -197,7 +207,7 @@ def main(argv=None):
         sys.exit(f"no run has finished in {a.out} (no <method>_s<seed>/result.json)")
     before = json.load(open(os.path.join(jobs[0][2], "result.json")))["before"]
     results = {m: {s: run_metrics(f) for mm, s, f in jobs if mm == m} for m in methods}
-    lines = table(results, before)
+    lines = table(results, before) + [""] + per_seed(results)
     print("\n".join(lines))
     with open(os.path.join(a.out, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -44,3 +44,29 @@ def test_all_seeds_paired_prints_no_left_out_line_and_too_few_prints_no_paired_r
     assert not any("paired by seed |" in line for line in lines)
     assert lines[-2] == ("(the paired row is over seeds 1; left out, unpaired: seed 0 (stapo only), "
                          "5 (justrl only))")
+
+
+RUNS = os.path.join(ROOT, "docs", "toy_runs")
+
+
+@pytest.mark.parametrize("study", sorted(f[:-len(".tar.xz")] for f in os.listdir(RUNS) if f.endswith(".tar.xz")))
+def test_every_toy_table_is_rebuilt_from_its_committed_runs(study, tmp_path, capsys):
+    """Each study's runs are committed (docs/toy_runs/<study>.tar.xz: every run's result.json, metrics.jsonl,
+    silenced tokens and log), and `examples/toy_compare.py --table-only` rebuilds from them, line by line, the
+    tables docs/toy.md prints for that study (the seed-by-kernel table for `kernels`). Breaks if a table in the
+    docs was edited by hand, or the runs that made it were not the ones committed."""
+    import tarfile
+    with tarfile.open(os.path.join(RUNS, f"{study}.tar.xz")) as archive:
+        archive.extractall(tmp_path, filter="data")
+    folders = sorted(os.listdir(tmp_path / study))
+    seeds = sorted({int(f.rsplit("_s", 1)[1]) for f in folders if "_s" in f})
+    methods = list(dict.fromkeys(f.rsplit("_s", 1)[0] for f in folders if "_s" in f))
+    argv = ["--out", str(tmp_path / study), "--seeds", ",".join(map(str, seeds)), "--table-only"]
+    if study == "kernels":
+        lines = toy_compare.main(argv + ["--kernels"])
+    else:
+        toy_compare.main(argv + ["--methods", ",".join(m for m in ("stapo", "justrl") if m in methods)])
+        lines = capsys.readouterr().out.splitlines()[:-1]  # the figure's path last
+    doc = open(os.path.join(ROOT, "docs", "toy.md")).read().splitlines()
+    missing = [line for line in lines if line.startswith("|") and line not in doc]
+    assert len([x for x in lines if x.startswith("|")]) >= 5 and not missing, "\n".join(missing)
