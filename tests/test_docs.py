@@ -107,6 +107,21 @@ def test_each_rung_of_the_ladder_runs_and_prints_what_the_page_shows(tmp_path, c
         assert printed[-1].startswith("toy: accuracy ") and any(x.startswith("S2T") for x in printed)
 
 
+def test_the_ladders_printed_outputs_are_its_committed_runs(tmp_path):
+    """Each rung's output on docs/ladder.md is the end of its full run's log, as committed in
+    docs/toy_runs/ladder.tar.xz (the S2T summary to the accuracy line, the progress bars left out)."""
+    import tarfile
+    with tarfile.open(os.path.join(ROOT, "docs", "toy_runs", "ladder.tar.xz")) as archive:
+        archive.extractall(tmp_path, filter="data")
+    text = open(os.path.join(ROOT, "docs", "ladder.md")).read()
+    shown = re.findall(r"```\n(S2T.*?)\n```", text, re.S)
+    assert len(shown) == 3
+    for method, block in zip(("grpo", "justrl", "stapo"), shown):
+        log = open(tmp_path / f"ladder_{method}.log").read().splitlines()
+        ending = [line for line in log if line.startswith(("S2T", "  step", "the run's curves", "held-out", "toy: "))]
+        assert block.splitlines() == ending, method
+
+
 def test_the_readme_reaches_every_page():
     """Every page in docs/ is linked from the README, and every link of the README and of docs/ to a file of
     this repository resolves, none of them to a line number of the project's code."""
