@@ -23,24 +23,33 @@ def compiles(device):
 def chunk_rows(device, vocab):
     """The forward's tokens per chunk for chunk_size=None, by device and vocabulary. GPU: the largest power of
     two up to 1,024 whose [rows, V] fp32 logits hold at most 2^28 values (1 GiB), so each chunk is one large
-    matmul (1,024 at Qwen3's V = 151,936). CPU: 32, whose eager temporaries ([rows, V] fp32 each) stay small
-    beside the lm_head gradient; docs/performance.md has the measurements behind both."""
+    matmul (1,024 at Qwen3's V = 151,936). CPU: CPU_CHUNK, whose [rows, V] fp32 buffers stay small beside
+    the lm_head gradient; docs/performance.md has the measurements behind both."""
     if torch.device(device).type == "cpu":
-        return 128
+        return CPU_CHUNK
     rows = 1024
     while rows > 128 and rows * vocab > 2 ** 28:
         rows //= 2
     return rows
 
 
-def chunk_stats(h, w, tokens, temperature, collision: bool):
+def logits(h, w, temperature, out=None):
+    """z = h @ w.T / T in fp32, rounded to w's dtype first, as the model's own head rounds them; written into
+    `out` (an fp32 [n, V'] buffer) when one is given and w is fp32, else a fresh tensor."""
+    if out is None or w.dtype != torch.float32:
+        return (h.to(w.dtype) @ w.T).float().div_(temperature)
+    return torch.mm(h, w.T, out=out).div_(temperature)
+
+
+def chunk_stats(h, w, tokens, temperature, collision: bool, space=None):
     """The forward of a chunk of hidden states h [n, D] under the head w [V, D]: log Z, log p(token), H and
-    sum pi^2 (None unless collision), each [n] in fp32. The logits z = h @ w.T are rounded to w's dtype, as
-    the model's own head rounds them, then worked on in fp32, in place: z is this function's own buffer."""
-    z = (h.to(w.dtype) @ w.T).float().div_(temperature)
+    sum pi^2 (None unless collision), each [n] in fp32. It works in place on its logits z, in `space` (two fp32
+    [n, V] buffers) when given, else in fresh ones."""
+    z_out, e_out = (None, None) if space is None else space
+    z = logits(h, w, temperature, z_out)
     zmax = z.amax(-1, keepdim=True)
     z.sub_(zmax)  # z <= 0, the mode at 0: no cancellation in H for peaked distributions
-    e = z.exp()  # pi * total
+    e = torch.exp(z, out=e_out)  # pi * total
     total = e.sum(-1)
     log_total = total.log()
     logp = z.gather(-1, tokens[:, None])[:, 0] - log_total
@@ -49,11 +58,12 @@ def chunk_stats(h, w, tokens, temperature, collision: bool):
     return zmax[:, 0] + log_total, logp, entropy, sum_sq
 
 
-def slice_grad(h, w, logz, scale, column, temperature):
+def slice_grad(h, w, logz, scale, column, temperature, space=None):
     """The backward at a slice of the vocabulary w [V', D]: d log p_y / d z = (onehot(y) - softmax(z)) / T times
     the incoming gradient (scale = grad / T), for z = h @ w.T and column = y - the slice's first id; in w's
-    dtype. The one-hot term is added in that dtype, at one entry per row: no [M, V'] pass of its own."""
-    g = (h @ w.T).float().div_(temperature).sub_(logz[:, None]).exp_().mul_(-scale[:, None]).to(w.dtype)
+    dtype, in `space` (an fp32 [M, V'] buffer) when given. The one-hot term is added in that dtype, at one entry
+    per row: no [M, V'] pass of its own."""
+    g = logits(h, w, temperature, space).sub_(logz[:, None]).exp_().mul_(-scale[:, None]).to(w.dtype)
     here = torch.where((column >= 0) & (column < len(w)), scale, 0.0).to(w.dtype)  # y in this slice, on its row
     return g.scatter_add_(1, column.clamp(0, len(w) - 1)[:, None], here[:, None])
 
@@ -79,11 +89,18 @@ def per_chunk(fn, device, *args):
         return fn(*args)
 
 
+def buffers(hidden, shape):
+    """Eager, the head reuses one fp32 buffer of `shape` for every chunk: a fresh [chunk, V] tensor each chunk
+    costs a CPU its page faults (glibc maps every allocation this large anew). Compiled, None: inductor plans
+    its own memory, and a buffer handed in would only add a write."""
+    return None if compiles(hidden.device) else hidden.new_empty(shape, dtype=torch.float32)
+
+
 class ChunkedHead(torch.autograd.Function):
     """log p(token), with H of each position and, when asked (collision=True), sum(pi^2), from hidden states.
 
-    The forward takes `chunk_size` tokens at a time (None: chunk_rows's choice for the device): a [chunk, V]
-    fp32 logits buffer, its exp, and their product.
+    The forward takes `chunk_size` tokens at a time (None: chunk_rows's choice for the device): [chunk, V]
+    fp32 logits and their exp (then their product), in place.
     The backward recomputes the logits a slice of the vocabulary at a time, [M, V'] with M * V' no more than
     chunk * V, and applies d log p_y / d z = (onehot(y) - softmax(z)) / T: each slice of the lm_head gradient
     is written once, only the small [M, D] hidden gradient is accumulated (in fp32), and [M, V] never exists.
@@ -94,10 +111,12 @@ class ChunkedHead(torch.autograd.Function):
         chunk_size = chunk_size or chunk_rows(hidden.device, len(weight))
         logp, logz, entropy = (hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(3))
         sum_sq = hidden.new_empty(len(hidden) if collision else 0, dtype=torch.float32)  # sum pi^2, if asked
+        space = buffers(hidden, (2, min(chunk_size, len(hidden)), len(weight)))
         for i in range(0, len(hidden), chunk_size):
             j = slice(i, i + chunk_size)
+            here = None if space is None else space[:, :len(hidden[j])]
             logz[j], logp[j], entropy[j], sq = per_chunk(chunk_stats, hidden.device, hidden[j], weight, tokens[j],
-                                                         temperature, collision)
+                                                         temperature, collision, here)
             if collision:
                 sum_sq[j] = sq
         ctx.save_for_backward(hidden, weight, tokens, logz)
@@ -113,9 +132,11 @@ class ChunkedHead(torch.autograd.Function):
         grad_w = torch.empty_like(weight)
         width = max(1, ctx.chunk_size * len(weight) // max(1, len(hidden)))
         scale = grad_logp / ctx.temperature
+        space = buffers(hidden, (len(hidden) * width,))
         for v in range(0, len(weight), width):
             w = weight[v:v + width]
-            g = per_chunk(slice_grad, hidden.device, h, w, logz, scale, tokens - v, ctx.temperature)
+            here = None if space is None else space[:len(h) * len(w)].view(len(h), len(w))
+            g = per_chunk(slice_grad, hidden.device, h, w, logz, scale, tokens - v, ctx.temperature, here)
             torch.mm(g.T, h, out=grad_w[v:v + width])  # this slice of the lm_head gradient, once
             grad_h += g @ w  # in fp32: the sum over the slices
         return grad_h.to(hidden.dtype), grad_w, None, None, None, None

@@ -138,6 +138,34 @@ def test_the_eager_per_chunk_functions_match_the_reference(dtype, temperature):
         assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-3 if k < 3 else 1e-2), k
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_eager_head_works_in_its_reused_buffers_as_in_fresh_ones(monkeypatch, dtype):
+    """Eager, the head hands each chunk one fp32 buffer (head.buffers; compiled, none): chunk_stats and
+    slice_grad write their logits into it (fp32) and give, bit for bit, what they give in fresh tensors; so
+    does the whole head, with a last chunk and a last vocabulary slice shorter than the others (300 rows in
+    chunks of 128; slices of 436, 436, 152). Breaks if a buffer's stale rows or columns reach a result, or if
+    the eager head stops reusing its buffers (a fresh [128, V] tensor a chunk cost 44% of the forward on CPU)."""
+    h, w, y, coef = _case(dtype, m=300)
+    monkeypatch.setattr(head, "COMPILE", "0")
+    assert head.buffers(h, (2, 128, 1024)).shape == (2, 128, 1024)
+    monkeypatch.setattr(head, "COMPILE", "1")
+    assert head.buffers(h, (2, 128, 1024)) is None
+    monkeypatch.setattr(head, "COMPILE", "0")
+    space = torch.full((2, 64, 1024), float("nan"))
+    fresh = head.chunk_stats(h[:64], w, y[:64], 0.7, True)
+    reused = head.chunk_stats(h[:64], w, y[:64], 0.7, True, space)
+    assert all(torch.equal(a, b) for a, b in zip(fresh, reused))
+    assert not space[1].isnan().any() and space[0].isnan().any() == (dtype == torch.bfloat16)  # bf16: fresh z
+    logz, scale, out = fresh[0], coef[:64] / 0.7, torch.empty(64, 100)
+    g = head.slice_grad(h[:64], w[:100], logz, scale, y[:64], 0.7, out)
+    assert torch.equal(g, head.slice_grad(h[:64], w[:100], logz, scale, y[:64], 0.7))
+    assert (g.data_ptr() == out.data_ptr()) == (dtype == torch.float32)
+    reused = _run(h, w, y, coef, 0.7, 128, True)
+    monkeypatch.setattr(head, "buffers", lambda hidden, shape: None)
+    for k, (a, b) in enumerate(zip(reused, _run(h, w, y, coef, 0.7, 128, True))):
+        assert torch.equal(a, b), k
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_compiled_head_matches_the_eager_head_and_the_reference(monkeypatch, dtype):
