@@ -38,7 +38,7 @@ def logits(h, w, temperature, out=None):
     `out` (an fp32 [n, V'] buffer) when one is given and w is fp32, else a fresh tensor."""
     if out is None or w.dtype != torch.float32:
         return (h.to(w.dtype) @ w.T).float().div_(temperature)
-    return torch.mm(h, w.T, out=out).div_(temperature)
+    return torch.mm(h.to(w.dtype), w.T, out=out).div_(temperature)
 
 
 def chunk_stats(h, w, tokens, temperature, collision: bool, space=None):

@@ -8,8 +8,8 @@
 The chunked head runs as the trainer runs it: rows per chunk chosen by the head for the device and vocabulary
 (head.chunk_rows; --chunk N to force), its per-chunk math compiled on CUDA (head.compiles). Rows
 (--variants): naive; chunked (the head's defaults); eager (the head with STAPO_HEAD_COMPILE=0: its per-chunk
-math uncompiled, as on a CPU); chunk128 (the head at 128 rows, compiled where the head compiles); trl (TRL 1.16's fused LM
-head, trl.kernels.ChunkedLogProbFunction, as its GRPOTrainer calls it: tiles of 4,096 tokens by 32,768
+math uncompiled, as on a CPU); chunk128 (the head at 128 rows, compiled where the head compiles); trl (TRL
+1.16's fused LM head, trl.kernels.ChunkedLogProbFunction, as its GRPOTrainer calls it: tiles of 4,096 tokens by 32,768
 vocabulary entries, a Triton kernel on CUDA and torch ops elsewhere, log p and the entropy; it needs only the
 trl package, none of TRL's other dependencies). The timed pass follows one warm-up pass, which also compiles.
 

@@ -10,8 +10,8 @@ prompts, the same reward (reward.score_all), 2 threads, G=8, one optimizer step 
 completions of exactly T tokens sampled from the full vocabulary (the end-of-text id lies outside the
 model's). Precision and activation checkpointing are set on both sides, never left to defaults: fp32
 weights and compute (TRL 1.16 defaults to bf16=True, autocast, even on CPU: set bf16=False here), and
-activation checkpointing on (stapo always checkpoints; TRL's gradient_checkpointing defaults to True and
-is set so; --trl-checkpointing off measures TRL without it, a setting stapo does not have).
+full activation checkpointing on both (stapo: --checkpointing full, its default; TRL's gradient_checkpointing
+defaults to True and is set so; --trl-checkpointing off measures TRL without it).
 
     (a) vocab 512, hidden 64, 4 prompts x 8, T=128        (b) vocab 151,936, hidden 256, 2 prompts x 8, T=512
 
@@ -64,7 +64,7 @@ def run_stapo(folder, c, steps):
                            "--steps", str(steps), "--prompts-per-step", str(c["prompts"]), "--group-size", str(G),
                            "--minibatches", "1", "--micro-tokens", "1000000", "--max-prompt-len", "64",
                            "--max-response-len", str(c["tokens"]), "--engine", "hf", "--save-every", "0",
-                           "--no-chat-template"])
+                           "--no-chat-template", "--checkpointing", "full"])
     stapo.train(args)
     dist.destroy_process_group()
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -144,7 +144,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trl-python", default=sys.executable, help="a python with TRL 1.16 (default: this one)")
     p.add_argument("--trl-checkpointing", choices=["on", "off"], default="on",
-                   help="TRL's gradient_checkpointing (stapo always checkpoints)")
+                   help="TRL's gradient_checkpointing (stapo: --checkpointing full)")
     p.add_argument("--config", choices=sorted(CONFIGS), default="a", help="the model and batch sizes (CONFIGS)")
     p.add_argument("--pairs", type=int, default=3, help="runs of each side, interleaved")
     p.add_argument("--steps", type=int, default=6, help="steps per run; the first is a warm-up")
