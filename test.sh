@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (once) and run the tests: the CPU install, vLLM's CPU build (the real engine) and TRL, then pytest.
-#   bash test.sh                      # about 14 minutes on 2 quiet cores, the install (3) included the first time
+#   bash test.sh                      # about 9 minutes on 2 quiet cores (README), the install included the first time
 #   bash test.sh -k vllm              # any pytest flag passes through
 # Needs only Python 3.11. The virtual environment is .venv (shared with toy.sh); a second run reuses it.
 set -euo pipefail
