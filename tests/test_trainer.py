@@ -624,7 +624,6 @@ def test_checkpointing_full_selective_and_off_give_the_same_gradients(tiny, comp
     its matmuls (eager): full replays the forward's, selective recomputes none (it keeps the matmuls' and
     attention's outputs), off has nothing to recompute. Breaks if a mode is dropped on its way to the layers,
     or if selective keeps nothing (it would recompute as full does)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     d, _ = tiny
     rank, world, device, mesh = parallel.init_distributed()
     g = torch.Generator().manual_seed(0)
