@@ -35,10 +35,12 @@ def chunk_rows(device, vocab):
 
 def logits(h, w, temperature, out=None):
     """z = h @ w.T / T in fp32, rounded to w's dtype first, as the model's own head rounds them; written into
-    `out` (an fp32 [n, V'] buffer) when one is given and w is fp32, else a fresh tensor."""
-    if out is None or w.dtype != torch.float32:
+    `out` (an fp32 [n, V'] buffer) when one is given, else a fresh tensor."""
+    if out is None:
         return (h.to(w.dtype) @ w.T).float().div_(temperature)
-    return torch.mm(h.to(w.dtype), w.T, out=out).div_(temperature)
+    if w.dtype == torch.float32:
+        return torch.mm(h.to(w.dtype), w.T, out=out).div_(temperature)
+    return out.copy_(h.to(w.dtype) @ w.T).div_(temperature)  # the rounded logits, widened in the buffer
 
 
 def chunk_stats(h, w, tokens, temperature, collision: bool, space=None):
@@ -60,12 +62,16 @@ def chunk_stats(h, w, tokens, temperature, collision: bool, space=None):
 
 def slice_grad(h, w, logz, scale, column, temperature, space=None):
     """The backward at a slice of the vocabulary w [V', D]: d log p_y / d z = (onehot(y) - softmax(z)) / T times
-    the incoming gradient (scale = grad / T), for z = h @ w.T and column = y - the slice's first id; in w's
-    dtype, in `space` (an fp32 [M, V'] buffer) when given. The one-hot term is added in that dtype, at one entry
-    per row: no [M, V'] pass of its own."""
-    g = logits(h, w, temperature, space).sub_(logz[:, None]).exp_().mul_(-scale[:, None]).to(w.dtype)
-    here = torch.where((column >= 0) & (column < len(w)), scale, 0.0).to(w.dtype)  # y in this slice, on its row
-    return g.scatter_add_(1, column.clamp(0, len(w) - 1)[:, None], here[:, None])
+    the incoming gradient (scale = grad / T), for z = h @ w.T and column = y - the slice's first id; returned in
+    w's dtype, worked on in `space` (an fp32 [M, V'] buffer) when given. The sampled entry, scale * (1 - p_y),
+    is computed in fp32 from its row's log p_y and written after the cast, one entry per row: added in bf16
+    after the cast, bf16(-p_y * scale) + scale would cancel to 0 for p_y > 1 - 2^-9 (a confident token). No
+    [M, V'] pass of its own; compiled, no fp32 [M, V'] tensor either (the gather reads the matmul's output)."""
+    z = logits(h, w, temperature, space).sub_(logz[:, None])  # log softmax(z)
+    col = column.clamp(0, len(w) - 1)[:, None]
+    here = torch.where((column >= 0) & (column < len(w)), scale, 0.0)[:, None]  # y in this slice, on its row
+    own = z.gather(1, col).exp_().mul_(-scale[:, None]).add_(here)  # (onehot - softmax) * scale at y, in fp32
+    return z.exp_().mul_(-scale[:, None]).to(w.dtype).scatter_(1, col, own.to(w.dtype))
 
 
 _compiled = {}  # chunk_stats or slice_grad -> its torch.compile, or None once that compile failed
