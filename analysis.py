@@ -60,7 +60,7 @@ def token_groups(low_p, adv, entropy, valid, tau_h):
 
 # The sums a step adds up over its mini-batches and ranks (metrics.StepMetrics), from which row() computes
 KEYS = [*[f"g2/{k}" for k in SHARES], "g2/silenced_if_kept", "nonzero", "split",
-        *[f"{g}/{k}" for g in GROUPS for k in ("n", "norm", "dH")]]
+        *[f"{g}/{k}" for g in GROUPS for k in ("n", "norm", "dH", "H")]]
 
 
 class TokenAnalysis:
@@ -68,7 +68,7 @@ class TokenAnalysis:
     them up over the step's mini-batches and ranks, and asks row() for the metrics):
       - each set's sum of ||grad_a||^2 under the gradient the loss applies (S2T's silenced set, its other
         candidates, the rest), and the silenced set's sum under the gradient it would get if kept;
-      - the eight groups' token counts, sums of the policy-gradient norm and of the entropy change, in the
+      - the eight groups' token counts, sums of the policy-gradient norm, of the entropy change and of H, in the
         mini-batches where S2T has a tau_h. With no candidate on any rank there is no tau_h to split H at:
         the mini-batch is left out of the groups, and `taxonomy/split` says how much was split.
     method, clip (eps_low, eps_high, clip_c), tau_p, temperature: the run's, as the loss uses them."""
@@ -105,7 +105,8 @@ class TokenAnalysis:
         if tau_h is not None:
             sums["split"] = sums["nonzero"]
             for g, m in token_groups(low_p, adv, entropy, valid, tau_h).items():
-                sums.update({f"{g}/n": m.sum(), f"{g}/norm": norm[m].sum(), f"{g}/dH": change[m].sum()})
+                sums.update({f"{g}/n": m.sum(), f"{g}/norm": norm[m].sum(), f"{g}/dH": change[m].sum(),
+                             f"{g}/H": entropy[m].sum()})
         return sums
 
     @staticmethod
@@ -125,11 +126,41 @@ def shares_row(n):
 
 
 def taxonomy_row(n):
-    """Each group's share of the split tokens, mean policy-gradient norm and mean entropy change."""
+    """Each group's share of the split tokens, mean policy-gradient norm, mean entropy change and mean H."""
     row, tokens = {"taxonomy/split": n["split"] / n["nonzero"] if n["nonzero"] else 0.0}, n["split"]
     for g in GROUPS:
         k = n[f"{g}/n"]
         row[f"taxonomy/{g}/tokens"] = k / tokens if tokens else 0.0
         row[f"taxonomy/{g}/grad_norm"] = n[f"{g}/norm"] / k if k else None
         row[f"taxonomy/{g}/dH"] = n[f"{g}/dH"] / k if k else None
+        row[f"taxonomy/{g}/entropy"] = n[f"{g}/H"] / k if k else None
     return row
+
+
+class Later:
+    """What becomes of S2T's set, a few steps on (--analysis): an evenly spaced sample of each step's set on
+    this rank (its context and token, and its log p then), and `after` steps later its log p at the same
+    context under that step's policy. JustRL trains on these tokens with the whole sequence's A > 0, STAPO
+    silences them: whether their probability then rose is the difference the mask makes to them."""
+
+    def __init__(self, after=5, per_step=16):
+        self.after, self.per_step, self.waiting = after, per_step, {}
+
+    def keep(self, step, found):
+        """found: the step's S2T set on this rank, (prompt ids, response ids, position t, log p) each; a sample
+        of per_step of them waits, as (prompt ids, the response through its token, log p then)."""
+        pick = [found[i * len(found) // self.per_step] for i in range(min(self.per_step, len(found)))]
+        self.waiting[step] = [(prompt, response[:t + 1], logp) for prompt, response, t, logp in pick]
+
+    def due(self, step):
+        """The sample kept `after` steps before `step` (none before then): its rows and their log p then."""
+        return self.waiting.pop(step - self.after, [])
+
+    def row(self, n, then, now, rose):
+        """The step's metrics from the sums over ranks of the due sample: its size, its mean log p then and
+        now (at the same context), and the share of it whose p rose."""
+        if not n:
+            return {"s2t_later/tokens": 0, "s2t_later/logp_then": None, "s2t_later/logp_now": None,
+                    "s2t_later/rose": None}
+        return {"s2t_later/tokens": int(n), "s2t_later/logp_then": then / n, "s2t_later/logp_now": now / n,
+                "s2t_later/rose": rose / n}

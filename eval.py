@@ -24,7 +24,8 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
 from evaluation import BENCHMARKS, PRESETS, EvalOptions, evaluate, summarize
-from parallel import check_shared_out, gather, init_distributed, refuse_used_out, require_model, run_program
+from parallel import (UserError, check_shared_out, gather, init_distributed, refuse_used_out, require_model,
+                      run_program)
 from problems import encode_prompt, read_jsonl
 from reward import judge_prompt, judge_verdict
 from rollout import compute_dtype, make_engine
@@ -64,6 +65,10 @@ def judge(records, engine, tok, template=None, max_tokens=16):
 
 
 def compare(a, b):
+    """Two evaluations' avg@k side by side (each an eval.py --out folder with its results.json)."""
+    for d in (a, b):
+        if not os.path.isfile(os.path.join(d, "results.json")):
+            raise UserError(f"--compare: {d} holds no results.json (an eval.py --out folder, once its run ended)")
     ra, rb = (json.load(open(os.path.join(d, "results.json")))["table"] for d in (a, b))
     print(f"| benchmark | {a} avg@k | {b} avg@k | difference |\n|---|---|---|---|")
     for name in dict.fromkeys([*ra, *rb]):
@@ -73,8 +78,12 @@ def compare(a, b):
         print(f"| {name} | {cells[0]} | {cells[1]} | {diff} |")
 
 
+class HelpFormat(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help: the docstring as written, and each flag's default."""
+
+
 def parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormat)
     p.add_argument("--model", help="the policy to evaluate: a Hub id or a folder (stapo.py writes OUT/model)")
     p.add_argument("--benchmarks", default="all", help="comma list of " + ",".join(BENCHMARKS) + ", or all")
     p.add_argument("--preset", default="train", choices=list(PRESETS),

@@ -17,16 +17,26 @@ class UserError(ValueError):
 
 def run_program(main):
     """A program's main(): a UserError ends it with its message, printed once (by rank 0), and exit code 2,
-    with no traceback; any other exception keeps its traceback. The process group is destroyed either way."""
+    with no traceback; Ctrl-C where the program does not catch it (before a run's first step, say) ends it
+    in one line too, exit code 130; any other exception keeps its traceback. The process group is destroyed
+    either way."""
     try:
         return main()
     except UserError as e:
-        if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
-            print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr, flush=True)
+        say(f"error: {e}")
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        say("stopped by Ctrl-C")
+        raise SystemExit(130) from None
     finally:  # a process group alive at exit can abort the process
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def say(line):
+    """One line on stderr from rank 0, named for the program."""
+    if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
+        print(f"{os.path.basename(sys.argv[0])}: {line}", file=sys.stderr, flush=True)
 
 
 def require_model(path, flag="--model"):

@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import tempfile
 from contextlib import closing
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -21,12 +22,14 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from checkpoint import StopAtStepEnd, load_checkpoint, save_hf, used_out
-from evaluation import PRESETS as EVAL_PRESETS, EvalOptions, evaluate_during_training, longest_prompt
-from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after
+from evaluation import BENCHMARKS, PRESETS as EVAL_PRESETS, EvalOptions, evaluate_during_training, longest_prompt
+from analysis import Later
+from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after, provenance, require_reporter
 from parallel import (UserError, all_reduce_numbers, check_shared_out, full_tensor, gather, gather_cat,
                       init_distributed, refuse_used_out, require_model, run_program)
-from policy import (EAGER_LAYER_CALLS, TokenStats, build_optimizer, build_policy, head_grad_norm,
-                    layers_are_compiled, layers_compiled, micro_batches, response_logprobs, token_stats)
+from layers import should_compile
+from policy import (TokenStats, build_optimizer, build_policy, head_grad_norm, micro_batches, response_logprobs,
+                    token_stats)
 from problems import encode_problems, load_problems, probe_tokens, seed_of, step_prompts
 from reward import score_all
 from rollout import compute_dtype, engine_kind, full_params, make_engine, sampler_logprobs
@@ -128,10 +131,84 @@ def get_args(argv=None):
     return p.parse_args(argv)
 
 
+# What each number must be (a value outside is refused in one line before anything is read or built)
+BOUNDS = [
+    ("prompts_per_step", lambda v: v >= 1, "at least 1"), ("group_size", lambda v: v >= 2,
+     "at least 2 (GRPO's advantage needs a group's std)"), ("minibatches", lambda v: v >= 1, "at least 1"),
+    ("max_prompt_len", lambda v: v >= 1, "at least 1"), ("max_response_len", lambda v: v >= 1, "at least 1"),
+    ("temperature", lambda v: v > 0, "above 0 (the loss divides the logits by it)"),
+    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("lr", lambda v: v >= 0, "at least 0"),
+    ("warmup_steps", lambda v: v >= 0, "at least 0"), ("weight_decay", lambda v: v >= 0, "at least 0"),
+    ("grad_clip", lambda v: v > 0, "above 0"), ("eps_low", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("eps_high", lambda v: v >= 0, "at least 0"), ("clip_c", lambda v: v > 1, "above 1"),
+    ("tau_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("q", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("steps", lambda v: v >= 1, "at least 1"), ("save_every", lambda v: v >= 0, "at least 0"),
+    ("keep_ckpts", lambda v: v >= 0, "at least 0 (0 keeps them all)"), ("micro_tokens", lambda v: v >= 1,
+     "at least 1"), ("gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("rollout_is_cap", lambda v: v > 0, "above 0"), ("eval_every", lambda v: v >= 0, "at least 0"),
+    ("eval_max_tokens", lambda v: v >= 1, "at least 1"), ("eval_samples", lambda v: v >= 0, "at least 0"),
+]
+
+
+def check_args(args):
+    """What the flags alone can tell, refused in one line (parallel.UserError) before anything is read, built
+    or written: each number in its bounds, --report-to's package installed, --dataset a .jsonl, a .parquet or
+    a Hub id, --out a folder that can be made, the in-training evaluation's benchmarks known."""
+    for key, ok, must in BOUNDS:
+        if not ok(getattr(args, key)):
+            raise UserError(f"--{key.replace('_', '-')} {getattr(args, key)}: must be {must}")
+    require_reporter(args.report_to)
+    check_dataset(args.dataset)
+    check_out(args.out)
+    if args.eval_every:
+        unknown = sorted(set(args.eval_benchmarks.split(",")) - set(BENCHMARKS))
+        if unknown:
+            raise UserError(f"--eval-benchmarks: unknown {unknown}; choose from {sorted(BENCHMARKS)}")
+        if args.eval_data_dir and not os.path.isdir(args.eval_data_dir):
+            raise UserError(f"--eval-data-dir {args.eval_data_dir}: no such folder")
+
+
+def check_dataset(spec):
+    """--dataset: a local .jsonl or .parquet file, or a Hub id (org/name); a local file of another kind is
+    refused by name (datasets would report it as not found)."""
+    local = os.path.exists(spec) or spec.startswith(("/", ".", "~")) or spec.count("/") != 1
+    if spec.endswith((".jsonl", ".parquet")) or local:
+        if not os.path.isfile(spec):
+            raise UserError(f"--dataset {spec}: no such file (a .jsonl or .parquet file, or a Hub id such as "
+                            "BytedTsinghua-SIA/DAPO-Math-17k)")
+        if not spec.endswith((".jsonl", ".parquet")):
+            raise UserError(f"--dataset {spec}: a .jsonl or .parquet file is read (one problem a line or row, "
+                            "README: training data), not {os.path.splitext(spec)[1] or 'a file without extension'}")
+
+
+def check_out(out):
+    """--out must be a folder, or a path whose nearest existing folder takes a new one: tried with a folder
+    made there and removed at once, so nothing is left."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"--out {out}: a file, not a folder")
+    near = os.path.abspath(out)
+    while not os.path.exists(near):
+        near = os.path.dirname(near)
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=near))
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot be written ({near}: {e.strerror})") from None
+
+
+def check_problems(data, dataset, dropped, max_prompt_len):
+    """The training problems after the tokenizer: none at all, or none short enough, is refused."""
+    if not data and not dropped:
+        raise UserError(f"--dataset {dataset}: holds no problems")
+    if not data:
+        raise UserError(f"--dataset {dataset}: every one of its {dropped} prompts is longer than --max-prompt-len "
+                        f"{max_prompt_len} tokens")
+
+
 # ---- one step: Algorithm 1 ------------------------------------------------------------------------
 
 def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
-    """One step of the paper's loop (Algorithm 1) on this rank's prompts: (metrics, silenced)."""
+    """One step of the paper's loop (Algorithm 1) on this rank's prompts: its row of metrics, and its
+    metrics.StepMetrics (what it kept: S2T's set on this rank, in context with --log-silenced)."""
     G, tally = args.group_size, step_metrics(step, tok, args, policy)
 
     # 1. Rollout: G samples per prompt from the engine (the policy as of the last sync), each seeded
@@ -151,10 +228,9 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
     # 4. The old policy: log p of every sampled token before any update, each mini-batch in the
     #    micro-batches its update will use (same shapes: an unchanged policy gives ratio 1 exactly)
     blocks = split_minibatches(batch.rows, args.minibatches)
-    batch.old = TokenStats.zeros(batch.valid.shape, device, collision=args.analysis)
+    batch.old = TokenStats.zeros(batch.valid.shape, device)
     for idx in blocks:
-        batch.old[idx] = token_stats(policy, batch.rows, idx, batch.valid, args.micro_tokens,
-                                     args.temperature, collision=args.analysis)
+        batch.old[idx] = token_stats(policy, batch.rows, idx, batch.valid, args.micro_tokens, args.temperature)
     batch.weight, rho = rollout_is_weights(batch.old.logp, batch.sampler, batch.valid, args.rollout_is,
                                            args.rollout_is_cap, args.rollout_is_mode)  # ones unless --rollout-is
     tally.old_policy(batch.valid, batch.old, batch.sampler, rho)
@@ -167,16 +243,35 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
     # 6. Sync the engine to the new policy, and prove it
     probe_gap = sync_engine(engine, policy, probe, device)
     tally.peak("sync")
-    return tally.finish(lr, probe_gap, G)
+    return tally.finish(lr, probe_gap, G), tally
 
 
 def step_metrics(step, tok, args, policy):
     """The step's bookkeeping (metrics.StepMetrics): with the silenced tokens' text (--log-silenced) and the
     token-level analysis (--analysis, not the paper's: analysis.py) when asked, and where the layers are
-    compiled, a count of the layer calls that ran eager instead."""
+    compiled, a count of the layer calls that ran eager instead (Policy.layers)."""
     analysis = (clip_settings(args), args.tau_p, args.temperature) if args.analysis else None
     return StepMetrics(step, args.method, tok if args.log_silenced else None, analysis,
-                       EAGER_LAYER_CALLS if layers_are_compiled(policy.lm) else None)
+                       policy.layers if policy.layers.compiled else None)
+
+
+def revisit(later, step, found, policy, args):
+    """--analysis (analysis.Later): keep a sample of this step's S2T set (found, this rank's), and give the
+    log p now, at the same context, of the sample kept a few steps ago. A no-grad pass in the trainer's
+    micro-batches, the same count on every rank (a rank with nothing due computes one token for nothing)."""
+    later.keep(step, found)
+    due = later.due(step)
+    if not all_reduce_numbers(len(due), op=dist.ReduceOp.MAX)[0]:
+        return later.row(0, 0, 0, 0)
+    rows = [(prompt, response) for prompt, response, _ in due] or [([0], [0])]
+    idx = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
+    R = max(len(r) for _, r in rows)
+    device = next(policy.parameters()).device
+    valid = torch.arange(R, device=device) < torch.tensor([len(r) for _, r in rows], device=device)[:, None]
+    now = token_stats(policy, rows, idx, valid, args.micro_tokens, args.temperature).logp
+    now = [float(now[k, len(rows[i][1]) - 1]) for k, i in enumerate(idx)] if due else []
+    then = [due[i][2] for i in idx] if due else []
+    return later.row(*all_reduce_numbers(len(due), sum(then), sum(now), sum(b > a for a, b in zip(then, now))))
 
 
 @dataclass
@@ -232,8 +327,7 @@ def train_minibatch(policy, opt, batch, idx, first, args, tally):
     if first:  # no update yet: the current policy is the old one
         now = old
     else:
-        now = token_stats(policy, batch.rows, idx, batch.valid, args.micro_tokens, args.temperature,
-                          collision=args.analysis)
+        now = token_stats(policy, batch.rows, idx, batch.valid, args.micro_tokens, args.temperature)
     tally.peak("forward")
     s2t = spurious_tokens(now.logp, now.entropy, adv, valid, args.tau_p, args.q)
     keep, denom = token_weights(args.method, now.entropy, valid, s2t)
@@ -363,29 +457,38 @@ def eval_options(args):
 
 
 def train(args):
-    rank, world, device, mesh = init_distributed()
+    # What the flags and files can tell is refused in one line before anything is built or written
+    check_args(args)
     require_model(args.model)
+    rank, world, device, mesh = init_distributed()
     if args.prompts_per_step % (args.minibatches * world):
         raise UserError(f"--prompts-per-step {args.prompts_per_step} must split evenly into "
-                         f"--minibatches {args.minibatches}, each over {world} ranks")
+                        f"--minibatches {args.minibatches}, each over {world} ranks")
     if args.rollout_is != "none" and engine_kind(args.engine, device) == "hf":
         raise UserError(f"--rollout-is {args.rollout_is} weighs by the sampler's log-probs, which the HF engine "
                         "does not report: --engine vllm")
-    if not args.resume:  # before anything is written to --out
+    if not args.resume:
         refuse_used_out(args.out, used_out(args.out), "Continue it with --resume, or start anew in another --out")
-    check_shared_out(args.out, rank)
     tok = AutoTokenizer.from_pretrained(args.model)
     problems = load_problems(args.dataset)
     data = encode_problems(tok, problems, args.max_prompt_len, args.chat_template, args.enable_thinking)
+    check_problems(data, args.dataset, len(problems) - len(data), args.max_prompt_len)
     context, dtype = context_length(args, tok), compute_dtype(args.dtype, device)
     probe = probe_tokens(tok, context - 1, args.chat_template)  # the sync's self-check
-    compiled = layers_compiled(args.compile_layers, device)
+    check_shared_out(args.out, rank)  # the first write to --out
+    if rank == 0:
+        dropped = len(problems) - len(data)
+        note = f" ({dropped} dropped: longer than --max-prompt-len)" if dropped else ""
+        print(f"stapo: --method {args.method}, {args.model} on {world} rank(s) ({device.type}), {len(data)} "
+              f"problems{note}, --out {args.out}", flush=True)
+    compiled = should_compile(args.compile_layers, device)
     policy = build_policy(args.model, mesh, device, dtype, compiled, args.checkpointing)
+    policy.collision = args.analysis  # --analysis: the no-grad passes give sum pi^2 too (analysis.py)
     opt = build_optimizer(policy, args.lr, args.weight_decay)
     start = load_checkpoint(policy, opt, args.out) if args.resume else 0
     logs = [os.path.join(args.out, name) for name in ("metrics.jsonl", "silenced.jsonl")]
     config = {**vars(args), "world_size": world, "mesh": list(mesh.shape), "device": str(device),
-              "problems": len(data)}
+              "problems": len(data), "provenance": provenance()}
     if rank == 0:
         with open(os.path.join(args.out, "config.json"), "w") as f:
             json.dump(config, f, indent=1)
@@ -394,6 +497,7 @@ def train(args):
         reporter = Reporter(args.report_to, args.out, config)
     progress = dict(desc="stapo", initial=start, total=args.steps, disable=rank != 0)
     stop_at_step_end = StopAtStepEnd(args.out, args.save_every, args.keep_ckpts, args.prompts_per_step)
+    later = Later()  # --analysis: a sample of each step's S2T set, revisited a few steps on
     engine = make_engine(args.engine, args.model, tok, device, context, args.gpu_memory_utilization,
                          dtype=dtype)
     # The engine closes on every exit from here, a failed first sync's included; a signal: a checkpoint at
@@ -403,11 +507,13 @@ def train(args):
         for step in tqdm(range(start, args.steps), **progress):
             prompts = step_prompts(data, step, args.prompts_per_step, args.minibatches, args.seed, rank,
                                    world)
-            metrics, silenced = train_step(step, policy, opt, engine, tok, prompts, args, device, probe)
+            metrics, tally = train_step(step, policy, opt, engine, tok, prompts, args, device, probe)
+            if args.analysis:  # not the paper's: what became of S2T's set of a few steps ago
+                metrics.update(revisit(later, step, tally.found, policy, args))
             if args.eval_every and (step + 1) % args.eval_every == 0:
                 names = args.eval_benchmarks.split(",")
                 metrics.update(evaluate_during_training(engine, tok, names, eval_options(args), rank, world))
-            silenced = sum(gather(silenced), [])
+            silenced = sum(gather(tally.silenced), [])
             if rank == 0:
                 append_jsonl(logs[0], [metrics])
                 reporter.log(metrics)

@@ -6,7 +6,7 @@ sync's probe gap, one step of stapo.py at lr 0 per row, on CPU or a GPU.
 
 The model is the tests' tiny Qwen3 (tests/reference.toy_model, hidden 128, built offline into --work), 8
 prompts x 4 samples, 4 mini-batches, micro-batches of 40 tokens, the HF engine. Rows: eager (the layers
-uncompiled), compiled (policy.compile_layers with inductor, as stapo.py --compile-layers on), compiled+emulate
+uncompiled), compiled (layers.compile_layers with inductor, as stapo.py --compile-layers on), compiled+emulate
 (the same with torch._inductor.config.emulate_precision_casts = True: inductor rounds each op's output to the
 compute dtype where eager does). Each row prints the largest |log ratio| over every micro-batch's kept tokens
 (0: the old pass and the update computed the same log p, an unchanged policy's ratio exactly 1), the sync's

@@ -55,10 +55,10 @@ again, so each lever is measured against the base on the same model and batch:
                     micro-batch outweighs any padding), against the trainer's cut (the fewest tokens computed,
                     padding and a fixed cost per micro-batch counted): whether the extra micro-batches cost
                     more than the padding they save
-  no_checkpointing  activation checkpointing off (stapo.py --checkpointing off: policy.set_checkpointing)
+  no_checkpointing  activation checkpointing off (stapo.py --checkpointing off: Policy.layers' checkpointing)
   selective_checkpointing  the matmuls' and attention's outputs kept, the rest recomputed (--checkpointing
                     selective)
-  compile_layers    each decoder layer compiled (policy.compile_layers; the base's choice on CUDA, as
+  compile_layers    each decoder layer compiled (layers.compile_layers; the base's choice on CUDA, as
                     stapo.py's --compile-layers auto), its compile in the warm-up run
   eager_layers      each decoder layer eager (the base's choice on CPU)
 Profile (--profile, a comma list of phases): after a phase's timed line, one more run of it under
@@ -167,10 +167,12 @@ def set_lever(P, policy, lever, on, base):
     """Turn one of LEVERS on, or off again: back to the base, whose layers are compiled if base["compiled"],
     checkpointed fully, and whose micro-batches cost base["cost"] (micro_tokens_xN is run_passes'
     --micro-tokens, nothing to set here)."""
+    import layers
     if lever in ("no_checkpointing", "selective_checkpointing"):
-        P.set_checkpointing(policy.lm, {"no_checkpointing": "off"}.get(lever, "selective") if on else "full")
+        policy.layers.checkpointing = {"no_checkpointing": "off"}.get(lever, "selective") if on else "full"
     elif lever in ("compile_layers", "eager_layers"):
-        P.compile_layers(policy.lm, (lever == "compile_layers") if on else base["compiled"])
+        compiled = (lever == "compile_layers") if on else base["compiled"]
+        (layers.compile_layers if compiled else layers.eager_layers)(policy.lm, policy.layers)
     elif lever == "fewest_micro_batches":
         P.MICRO_BATCH_COST = FEWEST if on else base["cost"]
 
@@ -372,7 +374,8 @@ def run_all(a, batches, folder):
     t0 = time.perf_counter()
     if not os.path.exists(os.path.join(folder, "config.json")):
         save_random_model(folder, a.shape, device)
-    base = dict(compiled=P.layers_compiled("auto", device), cost=P.MICRO_BATCH_COST)  # as stapo.py's
+    import layers
+    base = dict(compiled=layers.should_compile("auto", device), cost=P.MICRO_BATCH_COST)  # as stapo.py's
     if "trl_update" in a.phases.split(","):
         preload_trl()
     policy = P.build_policy(folder, mesh, device, dtype, base["compiled"])

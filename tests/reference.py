@@ -141,7 +141,7 @@ def golden(name, out):
 
 def comparable(row):
     """A metrics row without what varies by nature: timings and memory peaks."""
-    return {k: v for k, v in row.items() if k not in VARYING and not k.startswith("peak_gb/")}
+    return {k: v for k, v in row.items() if k not in VARYING and not k.startswith(("peak_gb/", "seconds/"))}
 
 
 class NoBaseline(RuntimeError):

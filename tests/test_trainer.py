@@ -22,6 +22,7 @@ import parallel
 import metrics
 import stapo
 import analysis
+import layers
 import policy as policies
 from rollout import HFEngine, Sample
 
@@ -68,7 +69,7 @@ def assert_same_metrics(a, b, rel=1e-4):
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
-        for k in {k for k in x if k not in TIMING and not k.startswith("peak_gb/")}:  # time and memory vary
+        for k in {k for k in x if k not in TIMING and not k.startswith(("peak_gb/", "seconds/"))}:
             values = zip(x[k], y[k]) if isinstance(x[k], list) and len(x[k]) == len(y[k]) else [(x[k], y[k])]
             for u, v in values:  # a list (lm_head_grad_norm: one per update) value by value
                 if isinstance(u, float) and isinstance(v, float):
@@ -307,7 +308,9 @@ def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path, monkeypatch):
             "entropy_mean", "silenced_frac", "candidates", "tau_h", "clip_low", "clip_high", "grad_norm", "lr",
             "rollout_s", "train_s", "step_s", "tokens_per_s", "sync_probe_gap", "sync_probe_gap_mean",
             "taxonomy/split", "grad_share/silenced_if_kept", *[f"grad_share/{k}" for k in analysis.SHARES],
-            *[f"taxonomy/{g}/{k}" for g in analysis.GROUPS for k in ("tokens", "grad_norm", "dH")]}
+            *[f"taxonomy/{g}/{k}" for g in analysis.GROUPS for k in ("tokens", "grad_norm", "dH", "entropy")],
+            "s2t_later/tokens", "s2t_later/logp_then", "s2t_later/logp_now", "s2t_later/rose",
+            *[f"seconds/{phase}" for phase in ("rollout", "old_policy", "forward", "backward", "optimizer", "sync")]}
     assert need <= m[0].keys() and not any(k.startswith("rollout_is") for k in m[0])  # off by default
     # tau_p = 0.99 makes most tokens candidates, and S2T silences some on any CPU's kernels (at 0.9, none in
     # step 1 with ATEN_CPU_CAPABILITY=default)
@@ -318,7 +321,8 @@ def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path, monkeypatch):
         assert x["grad_share/silenced"] == 0 and (x["grad_share/silenced_if_kept"] > 0) == (x["silenced_frac"] > 0)
         assert (x[f"taxonomy/{analysis.SPURIOUS}/tokens"] > 0) == (x["silenced_frac"] > 0)
     sil = [json.loads(x) for x in open(tmp_path / "silenced.jsonl")]
-    assert {"step", "token", "p", "H", "left", "right"} == sil[0].keys()
+    assert {"step", "token", "t", "p", "H", "silenced", "left", "right"} == sil[0].keys()
+    assert all(x["silenced"] for x in sil)  # under stapo; under the others S2T's set is logged, kept
     for step in (1, 2):  # one line per silenced token: silenced_frac * the step's 16 samples' valid tokens
         n_valid = m[step - 1]["response_len_mean"] * 16
         assert sum(x["step"] == step for x in sil) == round(m[step - 1]["silenced_frac"] * n_valid)
@@ -326,13 +330,28 @@ def test_outputs_config_metrics_and_silenced_log(tiny, tmp_path, monkeypatch):
     assert all(len(x["left"]) <= 40 and len(x["right"]) <= 40 for x in sil)
 
 
+def test_s2t_set_is_revisited_at_its_context_a_few_steps_on(tiny, tmp_path):
+    """--analysis keeps a sample of each step's S2T set and, analysis.Later's 5 steps on, reads its log p at the
+    same context under the policy then: at lr 0 (the policy never moves) that is the log p it had, token for
+    token within float noise, and under every objective (JustRL here). Breaks if the revisit reads another
+    position than the token's (its context one token short or long), another row, or another step's sample."""
+    d, _ = tiny
+    stapo.train(stapo.get_args(args_for(d, tmp_path, "--steps", "7", "--tau-p", "0.99", "--analysis", "--lr", "0",
+                                        "--method", "justrl")))
+    m = metrics_of(tmp_path)
+    assert [x["s2t_later/tokens"] for x in m[:5]] == [0] * 5 and all(x["s2t_later/tokens"] > 0 for x in m[5:])
+    for x in m[5:]:
+        assert x["s2t_later/logp_now"] == pytest.approx(x["s2t_later/logp_then"], abs=1e-5), x
+        assert x["s2t_later/logp_then"] < math.log(0.99)
+
+
 def test_report_to_sends_every_steps_numbers_and_is_imported_only_when_asked(tiny, tmp_path, monkeypatch):
     """--report-to wandb / tensorboard gets each step's numeric metrics at that step (what metrics.jsonl
     holds); without the flag neither package is imported, so a run never needs them."""
     d, _ = tiny
-    sent = []
+    sent, inits = [], []
     run = types.SimpleNamespace(log=lambda numbers, step: sent.append((step, numbers)))
-    wandb = types.SimpleNamespace(init=lambda dir, config: run)
+    wandb = types.SimpleNamespace(init=lambda **kw: inits.append(kw) or run)
 
     class SummaryWriter:
         def __init__(self, path):
@@ -354,9 +373,18 @@ def test_report_to_sends_every_steps_numbers_and_is_imported_only_when_asked(tin
         numbers = [(m["step"], {k: v for k, v in m.items() if isinstance(v, (int, float))})
                    for m in metrics_of(tmp_path / kind)]
         assert sent == numbers and len(sent) == 2 and "accuracy" in sent[0][1]
+    # W&B: a project, the run named for --out; --resume continues the same W&B run (its id kept in --out)
+    stapo.train(stapo.get_args(args_for(d, tmp_path / "wandb", "--steps", "3", "--report-to", "wandb",
+                                        "--resume")))
+    assert [kw["id"] for kw in inits] == [inits[0]["id"]] * 2 and inits[0]["name"] == "wandb"
+    assert inits[0]["project"] and inits[1]["resume"] == "allow"
     monkeypatch.setitem(sys.modules, "wandb", None)  # importing it now raises ImportError
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     metrics.Reporter("none", str(tmp_path), {}).log({"step": 1, "accuracy": 0.5})
+    for kind, package in (("wandb", "wandb"), ("tensorboard", "tensorboard")):  # one line, before any model
+        with pytest.raises(parallel.UserError, match=f"--report-to {kind} needs the {package} package: pip install"):
+            stapo.train(stapo.get_args(args_for(d, tmp_path / f"no_{kind}", "--report-to", kind)))
+        assert not (tmp_path / f"no_{kind}").exists()
 
 
 # ---- the HF engine's sampler ----------------------------------------------------------------------------
@@ -451,7 +479,7 @@ def test_the_policys_forward_is_the_models_log_softmax(tiny, attention):
     from transformers import AutoModelForCausalLM
     d, tok = tiny
     lm = AutoModelForCausalLM.from_pretrained(str(d / "model"), attn_implementation=attention)
-    policy = policies.Policy(lm)
+    policy = policies.Policy(lm, layers.run_through(lm))
     g = torch.Generator().manual_seed(0)
     rows = [(torch.randint(100, (p,), generator=g).tolist(), torch.randint(100, (r,), generator=g).tolist())
             for p, r in ((3, 4), (5, 1), (2, 7), (4, 0))]
@@ -468,7 +496,7 @@ def test_the_policys_forward_is_the_models_log_softmax(tiny, attention):
 
 
 def test_compiled_layers_compute_what_the_eager_layers_do(tiny):
-    """policy.compile_layers (stapo.py --compile-layers; auto: on CUDA) against the eager layers, on the same
+    """layers.compile_layers (stapo.py --compile-layers; auto: on CUDA) against the eager layers, on the same
     weights and samples: log p of every response token and every parameter's gradient, over two micro-batches
     of different shapes (the dynamic-shape graph), with FSDP2 and checkpointing as the trainer builds them.
     On a GPU (benchmarks/gpu_check.sh runs this test there) the backend is inductor, in fp32 and bf16; on CPU,
@@ -500,13 +528,13 @@ def test_compiled_layers_compute_what_the_eager_layers_do(tiny):
         policy = policies.build_policy(str(d / "model"), mesh, device, dtype)
         names, graphs = [n for n, _ in policy.named_parameters()], counters["stats"]["unique_graphs"]
         eager = run(policy)
-        policies.compile_layers(policy.lm, True, backend)
+        layers.compile_layers(policy.lm, policy.layers, backend)
         try:
             assert [n for n, _ in policy.named_parameters()] == names
             compiled = run(policy)
             assert counters["stats"]["unique_graphs"] > graphs  # something was compiled
         finally:
-            policies.compile_layers(policy.lm, False)
+            layers.eager_layers(policy.lm, policy.layers)
         return eager, compiled
 
     try:
@@ -526,7 +554,7 @@ def layer_cache_entries():
     """The compiled variants the decoder layers hold: dynamo's cache entries on run_layer's code, which every
     layer shares, and which its recompile limit counts."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    return len(_debug_get_cache_entry_list(policies.run_layer.__code__))
+    return len(_debug_get_cache_entry_list(layers.run_layer.__code__))
 
 
 def trainers_call_pattern(policy, opt, args, device, hidden, steps=3):
@@ -562,56 +590,57 @@ def test_compiled_layers_stay_compiled_through_the_trainers_call_pattern(tiny, t
     updates with their backward and checkpoint recompute, one-sample micro-batches, the probe, varied lengths,
     a first micro-batch padded to the hidden size) runs compiled: none is counted eager (run_layer counts the
     calls that run outside a compiled graph, as when dynamo's recompile limit is hit), and the variants the
-    layers compile stay well under policy.RECOMPILE_LIMIT. Breaks if a variant of the pattern recompiles on
+    layers compile stay well under layers.RECOMPILE_LIMIT. Breaks if a variant of the pattern recompiles on
     every new length, or if the variants outgrow torch's default limit of 8 again (HF's checkpointing, a hook
     that makes layer 0's input require grad under no_grad, and the recompute's own entries made exactly 8)."""
     args, policy, opt, device, *_ = one_step_on_four_prompts(tiny, tmp_path, "--micro-tokens", "64")
     torch._dynamo.reset()
-    policies.compile_layers(policy.lm, True, "aot_eager")  # AOT autograd, as inductor runs it, minus inductor
+    layers.compile_layers(policy.lm, policy.layers, "aot_eager")  # AOT autograd, as inductor runs it, minus it
     try:
-        before = policies.EAGER_LAYER_CALLS[0]
+        before = policy.layers.eager_calls
         trainers_call_pattern(policy, opt, args, device, policy.lm.config.hidden_size)
-        eager, variants = policies.EAGER_LAYER_CALLS[0] - before, layer_cache_entries()
+        eager, variants = policy.layers.eager_calls - before, layer_cache_entries()
         print(f"compiled layers: {variants} variants over 3 steps; {eager} layer calls eager")
-        assert eager == 0 and 0 < variants <= 4 < policies.RECOMPILE_LIMIT  # grad on, off; one sample, more
+        assert eager == 0 and 0 < variants <= 4 < layers.RECOMPILE_LIMIT  # grad on, off; one sample, more
     finally:
-        policies.compile_layers(policy.lm, False)
+        layers.eager_layers(policy.lm, policy.layers)
         torch._dynamo.reset()
 
 
 @pytest.mark.slow
 def test_layer_calls_that_run_eager_although_compiled_are_counted_and_said(tiny, tmp_path, monkeypatch, capsys):
     """A run whose compiled layers hit the recompile limit (1 here) counts each layer call that ran eager in its
-    metrics row (eager_layer_calls) and says so in one line with the step; one whose compiler fails on a graph
-    runs it eager, warns once naming --compile-layers off, and trains on; a run of eager layers (--compile-layers
-    off) has no such key. Breaks with a silent fallback (dynamo's own is one log line), or a count that a
-    compiled call also moves."""
+    metrics row (eager_layer_calls) and says so in one line with the step; one whose compiler fails on every
+    graph runs them eager, warns once naming --compile-layers off, trains on, and counts those calls too; a
+    run of eager layers (--compile-layers off) has no such key. Breaks with a silent fallback (dynamo's own
+    is one log line), a failed graph's calls left uncounted, or a count that a compiled call also moves."""
     d, _ = tiny
-    real = policies.compile_layers
+    real = layers.compile_layers
     torch._dynamo.reset()
-    monkeypatch.setattr(policies, "compile_layers", lambda lm, on, backend="inductor": real(lm, on, "aot_eager"))
-    monkeypatch.setattr(policies, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(policies, "compile_layers", lambda lm, runtime: real(lm, runtime, "aot_eager"))
+    monkeypatch.setattr(layers, "RECOMPILE_LIMIT", 1)
     try:
-        stapo.train(stapo.get_args(args_for(d, tmp_path / "limit", "--steps", "2", "--compile-layers", "on")))
+        with torch._dynamo.config.patch(recompile_limit=1):  # (a monkeypatch of dynamo's config deletes it)
+            stapo.train(stapo.get_args(args_for(d, tmp_path / "limit", "--steps", "2", "--compile-layers", "on")))
         rows = metrics_of(tmp_path / "limit")
         assert all(x["eager_layer_calls"] > 0 for x in rows), rows
         said = [line for line in capsys.readouterr().err.splitlines() if "decoder-layer calls ran eager" in line]
         assert len(said) == 2 and "step 1: " in said[0] and "--compile-layers off" in said[0]  # after tqdm's bar
         torch._dynamo.reset()
-        monkeypatch.setattr(policies, "RECOMPILE_LIMIT", 64)
+        monkeypatch.setattr(layers, "RECOMPILE_LIMIT", 64)
 
         def broken(graph, example_inputs):
             raise RuntimeError("no C++ compiler here")
-        monkeypatch.setattr(policies, "compile_layers", lambda lm, on, backend="inductor": real(lm, on, broken))
-        policies.COMPILE_FAILED.clear()
+        monkeypatch.setattr(policies, "compile_layers", lambda lm, runtime: real(lm, runtime, broken))
         with pytest.warns(UserWarning, match=r"torch.compile of a decoder layer failed.*no C\+\+ compiler here.*"
                                              r"--compile-layers off runs every layer eager") as caught:
-            stapo.train(stapo.get_args(args_for(d, tmp_path / "broken", "--steps", "2", "--compile-layers", "on")))
-        assert len([w for w in caught if "decoder layer" in str(w.message)]) == 1 and policies.COMPILE_FAILED
-        assert all(x["grad_norm"] > 0 for x in metrics_of(tmp_path / "broken"))
+            policy = stapo.train(stapo.get_args(args_for(d, tmp_path / "broken", "--steps", "2",
+                                                         "--compile-layers", "on")))
+        assert len([w for w in caught if "decoder layer" in str(w.message)]) == 1 and policy.layers.failures
+        rows = metrics_of(tmp_path / "broken")
+        assert all(x["grad_norm"] > 0 and x["eager_layer_calls"] > 0 for x in rows), rows
     finally:
         torch._dynamo.reset()
-        policies.COMPILE_FAILED.clear()
     stapo.train(stapo.get_args(args_for(d, tmp_path / "eager", "--steps", "1")))
     assert "eager_layer_calls" not in metrics_of(tmp_path / "eager")[0]
 
@@ -646,7 +675,7 @@ def test_checkpointing_full_selective_and_off_give_the_same_gradients(tiny, comp
         for mode in ("full", "selective", "off"):
             policy = policies.build_policy(str(d / "model"), mesh, device, torch.float32, compiled, mode)
             if compiled:
-                policies.compile_layers(policy.lm, True, "aot_eager")
+                layers.compile_layers(policy.lm, policy.layers, "aot_eager")
             logp = policies.response_logprobs(policy, rows, [0, 1, 2], valid, 1.0).logp
             backward = Matmuls()
             with backward if not compiled else contextlib.nullcontext():  # a compiled backward is one graph
