@@ -15,10 +15,10 @@ SPURIOUS = "posA_lowP_lowH"
 SHARES = ("silenced", "candidates_kept", "rest")
 
 
-def loss_token_weight(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high=0.28, clip_c=10.0,
+def loss_token_coef(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high=0.28, clip_c=10.0,
                       max_log_ratio=20.0):
     """d stapo_loss / d logp of each token (paper: the token's term of grad J_STAPO), for the same arguments:
-    the loss's gradient on the token's logits is this weight times (e_y - pi) / T. No graph.
+    the loss's gradient on the token's logits is this coefficient times (e_y - pi) / T. No graph.
         -A * ratio * keep / num_tokens   where the unclipped term is the live one:
                                            A > 0 and ratio <= 1 + eps_high            (clip-higher)
                                            A < 0 and 1 - eps_low <= ratio <= clip_c   (clip, dual clip)
@@ -35,19 +35,19 @@ def loss_token_weight(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, e
     return torch.where(live, -adv * ratio * keep / n, 0.0) if n > 0 else torch.zeros_like(ratio)
 
 
-def logit_gradient_norm(logp, collision, weight, temperature=1.0):
+def logit_gradient_norm(logp, collision, coef, temperature=1.0):
     """||d (w log pi_y) / d a|| of each token, a its logits, pi = softmax(a / T) (the paper's identity, with
     w = A): ||grad||^2 = w^2 (1 - 2 pi_y + sum_n pi_n^2) / T^2, sum pi^2 >= exp(-H). With w the loss's own
-    weight (loss_token_weight) it is the norm of the gradient the loss applies there."""
-    return weight.abs() / temperature * (1 - 2 * logp.exp() + collision).clamp(min=0).sqrt()
+    coefficient (loss_token_coef) it is the norm of the gradient the loss applies there."""
+    return coef.abs() / temperature * (1 - 2 * logp.exp() + collision).clamp(min=0).sqrt()
 
 
-def entropy_change(logp, entropy, weight):
+def entropy_change(logp, entropy, coef):
     """The paper's lemma: the first-order change of H at a token's position under a natural-gradient step,
     logit_y += eta * w (w = A in the paper), per unit eta: dH = -w pi_y (log pi_y + H). (A plain gradient
     step on the logits, a += eta * w (e_y - pi), changes H by -eta w (pi_y (log pi_y + H) - sum_n pi_n^2
     (log pi_n + H)) instead; BAPO's form carries a factor 1 - pi_y.)"""
-    return -weight * logp.exp() * (logp + entropy)
+    return -coef * logp.exp() * (logp + entropy)
 
 
 def token_groups(low_p, adv, entropy, valid, tau_h):
@@ -76,20 +76,22 @@ class TokenAnalysis:
     def __init__(self, method, clip, tau_p, temperature):
         self.method, self.clip, self.tau_p, self.temperature = method, clip, tau_p, temperature
 
-    def sums(self, now, old_logp, adv, valid, keep, denom, s2t, w):
+    def sums(self, now, old_logp, adv, valid, scale, num_tokens, s2t, correction):
         """One mini-batch's sums from its [n, T] tensors: now, the current policy's log p, H and sum pi^2 (a
-        policy.TokenStats); the old log p; the advantages adv [n]; the valid mask; the loss's keep (w in it) and
-        denominator; S2T's result (stapo.SpuriousTokens: its silenced set, its candidates and tau_h, None
-        where no rank has a candidate); --rollout-is's weights w (1 when off). The norm of the gradient the
-        loss applies to each token's logits, and of the one it would apply with S2T's set kept (under stapo,
-        every valid token back at its weight); each token's policy-gradient norm and entropy change (the
-        paper's identity and lemma, with w = ratio * A, before the clips and S2T)."""
+        policy.TokenStats); the old log p; the advantages adv [n]; the valid mask; each token's scale in the loss
+        (stapo_loss's keep, its rollout-IS correction in it) and num_tokens; S2T's result (stapo.SpuriousTokens:
+        its silenced set, its candidates and tau_h, None where no rank has a candidate); --rollout-is's
+        correction (1 when off). The norm of the gradient the loss applies to each token's logits, and of the
+        one it would apply with S2T's set kept (under stapo, every valid token back at its scale); each token's
+        policy-gradient norm and entropy change (the paper's identity and lemma, with w = ratio * A, before the
+        clips and S2T)."""
         logp, adv = now.logp, adv[:, None].expand_as(now.logp)
-        unsilenced = keep if self.method != "stapo" else valid * w
-        norm = lambda weight: logit_gradient_norm(logp, now.collision, weight, self.temperature)  # noqa: E731
-        applied, if_kept = (loss_token_weight(logp, old_logp, adv, k, denom, *self.clip) for k in (keep, unsilenced))
-        weight = (logp - old_logp).exp() * adv  # ratio * A
-        tokens = (norm(applied), norm(if_kept), norm(weight), entropy_change(logp, now.entropy, weight))
+        unsilenced = scale if self.method != "stapo" else valid * correction
+        norm = lambda coef: logit_gradient_norm(logp, now.collision, coef, self.temperature)  # noqa: E731
+        applied, if_kept = (loss_token_coef(logp, old_logp, adv, k, num_tokens, *self.clip)
+                            for k in (scale, unsilenced))
+        coef = (logp - old_logp).exp() * adv  # ratio * A
+        tokens = (norm(applied), norm(if_kept), norm(coef), entropy_change(logp, now.entropy, coef))
         return self.split(s2t.silenced, s2t.candidates, s2t.tau_h, now.entropy, logp.exp() < self.tau_p, adv,
                           valid, tokens)
 

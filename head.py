@@ -95,7 +95,7 @@ def per_chunk(fn, device, *args):
         return fn(*args)
 
 
-def buffers(hidden, shape):
+def scratch(hidden, shape):
     """Eager, the head reuses one fp32 buffer of `shape` for every chunk: a fresh [chunk, V] tensor each chunk
     costs a CPU its page faults (glibc maps every allocation this large anew). Compiled, None: inductor plans
     its own memory, and a buffer handed in would only add a write."""
@@ -117,7 +117,7 @@ class ChunkedHead(torch.autograd.Function):
         chunk_size = chunk_size or chunk_rows(hidden.device, len(weight))
         logp, logz, entropy = (hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(3))
         sum_sq = hidden.new_empty(len(hidden) if collision else 0, dtype=torch.float32)  # sum pi^2, if asked
-        space = buffers(hidden, (2, min(chunk_size, len(hidden)), len(weight)))
+        space = scratch(hidden, (2, min(chunk_size, len(hidden)), len(weight)))
         for i in range(0, len(hidden), chunk_size):
             j = slice(i, i + chunk_size)
             here = None if space is None else space[:, :len(hidden[j])]
@@ -138,7 +138,7 @@ class ChunkedHead(torch.autograd.Function):
         grad_w = torch.empty_like(weight)
         width = max(1, ctx.chunk_size * len(weight) // max(1, len(hidden)))
         scale = grad_logp / ctx.temperature
-        space = buffers(hidden, (len(hidden) * width,))
+        space = scratch(hidden, (len(hidden) * width,))
         for v in range(0, len(weight), width):
             w = weight[v:v + width]
             here = None if space is None else space[:len(h) * len(w)].view(len(h), len(w))

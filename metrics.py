@@ -126,8 +126,9 @@ class StepMetrics:
             self.silenced += silenced_records(self.step, self.tok, batch.rows, mb.idx, s2t.silenced, now,
                                               self.method == "stapo")
         if self.analysis:  # --analysis (not the paper's): measures the mini-batch, changes nothing
-            valid, w = batch.valid[mb.idx], batch.weight[mb.idx]
-            accumulate(self.analysed, self.analysis.sums(now, mb.old_logp, mb.adv, valid, mb.keep, mb.denom, s2t, w))
+            valid, correction = batch.valid[mb.idx], batch.correction[mb.idx]
+            sums = self.analysis.sums(now, mb.old_logp, mb.adv, valid, mb.scale, mb.num_tokens, s2t, correction)
+            accumulate(self.analysed, sums)
             rows = [batch.rows[mb.idx[i]] + (t, lp) for i, t, lp in spurious_positions(s2t.silenced, now.logp)]
             self.found += rows  # for analysis.Later: what becomes of them
 

@@ -231,7 +231,7 @@ def train_step(step, policy, opt, engine, tok, prompts, args, device, probe):
     batch.old = TokenStats.zeros(batch.valid.shape, device)
     for idx in blocks:
         batch.old[idx] = token_stats(policy, batch.rows, idx, batch.valid, args.micro_tokens, args.temperature)
-    batch.weight, rho = rollout_is_weights(batch.old.logp, batch.sampler, batch.valid, args.rollout_is,
+    batch.correction, rho = rollout_is_weights(batch.old.logp, batch.sampler, batch.valid, args.rollout_is,
                                            args.rollout_is_cap, args.rollout_is_mode)  # ones unless --rollout-is
     tally.old_policy(batch.valid, batch.old, batch.sampler, rho)
 
@@ -282,7 +282,7 @@ class Batch:
     adv: torch.Tensor           # [N] the group advantage of each sample
     sampler: torch.Tensor       # [N, R] the sampler's log p of each token (vLLM reports them), or None
     old: TokenStats = None      # [N, R] log p and H under the policy that sampled (step 4 fills it)
-    weight: torch.Tensor = None  # [N, R] each token's factor in the loss: 1, or --rollout-is's (step 4)
+    correction: torch.Tensor = None  # [N, R] each token's rollout-IS factor in the loss: 1 without it (step 4)
 
 
 def make_batch(prompts, groups, adv, device):
@@ -312,17 +312,17 @@ def set_lr(opt, args, step):
 
 @dataclass
 class MiniBatch:
-    """What one optimizer step trains on: its samples and each token's weight in the loss."""
+    """What one optimizer step trains on: its samples and each token's scale in the loss."""
     idx: list                   # its samples (rows of the Batch), shortest first
     old_logp: torch.Tensor      # [n, R] log p under the policy that sampled
     adv: torch.Tensor           # [n]
-    keep: torch.Tensor          # [n, R] each token's weight in the loss (0: padded or silenced)
-    denom: float                # the kept count over all ranks: the loss's denominator
+    scale: torch.Tensor         # [n, R] each token's scale in the loss, stapo_loss's keep (0: padded or silenced)
+    num_tokens: float           # the kept count over all ranks: the loss's denominator
 
 
 def train_minibatch(policy, opt, batch, idx, first, args, tally):
-    """Step 5 of Algorithm 1 on one mini-batch: the current policy's p and H, S2T (the mask M), the token
-    weights, an update."""
+    """Step 5 of Algorithm 1 on one mini-batch: the current policy's p and H, S2T (the mask M), each token's
+    scale in the loss, an update."""
     old, valid, adv = batch.old[idx], batch.valid[idx], batch.adv[idx]
     if first:  # no update yet: the current policy is the old one
         now = old
@@ -330,8 +330,8 @@ def train_minibatch(policy, opt, batch, idx, first, args, tally):
         now = token_stats(policy, batch.rows, idx, batch.valid, args.micro_tokens, args.temperature)
     tally.peak("forward")
     s2t = spurious_tokens(now.logp, now.entropy, adv, valid, args.tau_p, args.q)
-    keep, denom = token_weights(args.method, now.entropy, valid, s2t)
-    mb = MiniBatch(idx, old.logp, adv, keep * batch.weight[idx], denom)
+    scale, num_tokens = token_scales(args.method, now.entropy, valid, s2t)
+    mb = MiniBatch(idx, old.logp, adv, scale * batch.correction[idx], num_tokens)
     norms = update(policy, opt, batch.rows, batch.valid, mb, args, tally)
     tally.minibatch(batch, mb, s2t, now, norms)
 
@@ -354,19 +354,19 @@ def spurious_tokens(logp, entropy, adv, valid, tau_p, q):
     return SpuriousTokens(candidates, silenced, len(pooled), None if tau_h is None else float(tau_h))
 
 
-def token_weights(method, entropy, valid, s2t):
-    """Per-token weights `keep` and their global denominator, for each objective the paper
-    compares. Thresholds are computed over the whole mini-batch on all ranks."""
+def token_scales(method, entropy, valid, s2t):
+    """Each token's scale in the loss (stapo_loss's keep: 0 drops it) and the loss's global denominator, for
+    each objective the paper compares. Thresholds are computed over the whole mini-batch on all ranks."""
     if method == "grpo":  # token mean per sequence, then mean over sequences
-        keep = valid / valid.sum(1, keepdim=True).clamp(min=1)
-        return keep, all_reduce_numbers(len(valid))[0]
+        scale = valid / valid.sum(1, keepdim=True).clamp(min=1)
+        return scale, all_reduce_numbers(len(valid))[0]
     if method == "justrl":  # every response token
-        keep = valid
+        scale = valid
     if method == "entropy20":  # the top 20% entropy tokens
-        keep = valid & (entropy >= quantile(gather_cat(entropy[valid]), 0.8).to(entropy.device))
+        scale = valid & (entropy >= quantile(gather_cat(entropy[valid]), 0.8).to(entropy.device))
     if method == "stapo":  # every response token but the silenced
-        keep = valid & ~s2t.silenced
-    return keep, all_reduce_numbers(keep.sum())[0]
+        scale = valid & ~s2t.silenced
+    return scale, all_reduce_numbers(scale.sum())[0]
 
 
 def clip_settings(args):
@@ -383,9 +383,9 @@ def update(policy, opt, rows, valid, mb, args, tally):
     verl does: the norm is global, so every rank skips it, and no NaN reaches the weights."""
     stats, parts = [], micro_batches(rows, mb.idx, args.micro_tokens)  # slices: no index to copy
     for i, (part, idle) in enumerate(parts):
-        keep = mb.keep[part] * (not idle)  # an idle micro-batch: one sample, at weight 0
+        scale = mb.scale[part] * (not idle)  # an idle micro-batch: one sample, scaled to 0
         logp = response_logprobs(policy, rows, mb.idx[part], valid, args.temperature).logp
-        loss, st = stapo_loss(logp, mb.old_logp[part], mb.adv[part], keep, mb.denom, *clip_settings(args))
+        loss, st = stapo_loss(logp, mb.old_logp[part], mb.adv[part], scale, mb.num_tokens, *clip_settings(args))
         policy.set_requires_all_reduce(i == len(parts) - 1)  # several nodes: across them once, after the last
         (loss * dist.get_world_size()).backward()  # FSDP averages over ranks; the loss is global
         stats.append(st)

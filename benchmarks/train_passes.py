@@ -234,7 +234,7 @@ def old_pass(P, policy, rows, idx, valid, micro_tokens, temperature):
 def run_update(S, policy, opt, batch, idx, old_logp, args, tally):
     """stapo.update on mini-batch idx, every token kept (keep = valid): its MiniBatch built by field name."""
     valid = batch.valid[idx]
-    parts = dict(idx=idx, keep=valid, denom=float(valid.sum()), old_logp=old_logp, adv=batch.adv[idx])
+    parts = dict(idx=idx, scale=valid, num_tokens=float(valid.sum()), old_logp=old_logp, adv=batch.adv[idx])
     mb = S.MiniBatch(**{f.name: parts[f.name] for f in dataclasses.fields(S.MiniBatch)})
     return S.update(policy, opt, batch.rows, batch.valid, mb, args, tally)
 

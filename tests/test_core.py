@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from head import ChunkedHead, token_logprobs_and_entropy
-from analysis import GROUPS, SPURIOUS, entropy_change, logit_gradient_norm, loss_token_weight, token_groups
+from analysis import GROUPS, SPURIOUS, entropy_change, logit_gradient_norm, loss_token_coef, token_groups
 from rollout_is import rollout_is_weights
 from stapo_core import (group_advantages, quantile, s2t_candidates, s2t_mask, s2t_silence, s2t_threshold,
                         stapo_loss)
@@ -496,8 +496,8 @@ def _clipped_batch():
     return logits, y, t, logp, old, adv, keep
 
 
-def test_the_loss_token_weight_is_the_gradient_of_the_loss_with_the_clips_active():
-    """loss_token_weight equals autograd's d stapo_loss / d logp token by token, and its logit_gradient_norm the
+def test_the_loss_token_coef_is_the_gradient_of_the_loss_with_the_clips_active():
+    """loss_token_coef equals autograd's d stapo_loss / d logp token by token, and its logit_gradient_norm the
     norm of autograd's gradient on each position's logits: zero where clip-higher (A > 0, r = e^0.5 > 1.28), the
     lower clip (A < 0, r = e^-1 < 0.8), the dual clip (A < 0, r = e^3 > 10) or the clamp (e^25) holds the term,
     -A r keep / n elsewhere. Breaks with the unclipped weight r * A, a missing keep, or another denominator."""
@@ -505,7 +505,7 @@ def test_the_loss_token_weight_is_the_gradient_of_the_loss_with_the_clips_active
     n = 17.5  # the kept count of the whole mini-batch on all ranks, not this batch's
     loss, _ = stapo_loss(logp, old, adv, keep, n)
     grad_logp, grad_logits = torch.autograd.grad(loss, [logp, logits])
-    weight = loss_token_weight(logp, old, adv, keep, n)
+    weight = loss_token_coef(logp, old, adv, keep, n)
     assert torch.allclose(weight.double(), grad_logp, rtol=1e-6, atol=1e-12), (weight, grad_logp)
     zeroed = [(0, 2), (0, 3), (0, 4), (1, 0), (1, 2), (1, 3), (1, 4)]  # the clips, padding, the clamp
     assert all(weight[c] == 0 for c in zeroed) and all(weight[2] == 0)  # row 2: A = 0
@@ -516,13 +516,13 @@ def test_the_loss_token_weight_is_the_gradient_of_the_loss_with_the_clips_active
     assert torch.allclose(norm, grad_logits.norm(dim=-1), rtol=1e-6, atol=1e-12)
 
 
-def test_the_loss_token_weight_without_the_dual_clip_and_with_the_default_count():
+def test_the_loss_token_coef_without_the_dual_clip_and_with_the_default_count():
     """clip_c=None: the A < 0 token at r = e^3 is live (-A r keep / n); num_tokens=None divides by keep's sum.
     Breaks if the dual clip were applied regardless of clip_c."""
     logits, y, t, logp, old, adv, keep = _clipped_batch()
     loss, _ = stapo_loss(logp, old, adv, keep, clip_c=None)
     (grad,) = torch.autograd.grad(loss, logp)
-    weight = loss_token_weight(logp, old, adv, keep, clip_c=None)
+    weight = loss_token_coef(logp, old, adv, keep, clip_c=None)
     assert torch.allclose(weight.double(), grad, rtol=1e-6, atol=1e-12)
     assert weight[1, 3] > 0
 

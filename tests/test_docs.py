@@ -75,7 +75,7 @@ DIFF = re.compile(r"```diff ([a-z_]+\.py)\n(.*?)```", re.S)
 def test_the_ladders_diffs_are_lines_of_the_code_that_runs():
     """docs/ladder.md climbs from GRPO to STAPO in diffs of the code: every line of each diff, its +, - or space
     aside, is one whole line of the file the diff names, and no other line of it reads the same (as
-    docs/implementation.md's quotes). A changed line of token_weights, clip_settings or S2T breaks its rung."""
+    docs/implementation.md's quotes). A changed line of token_scales, clip_settings or S2T breaks its rung."""
     text = open(os.path.join(ROOT, "docs", "ladder.md")).read()
     blocks = DIFF.findall(text)
     assert len(blocks) >= 4 and {path for path, _ in blocks} == {"stapo.py", "stapo_core.py"}

@@ -140,7 +140,7 @@ def test_the_eager_per_chunk_functions_match_the_reference(dtype, temperature):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_eager_head_works_in_its_reused_buffers_as_in_fresh_ones(monkeypatch, dtype):
-    """Eager, the head hands each chunk fp32 buffers (head.buffers; compiled, none), in either dtype:
+    """Eager, the head hands each chunk fp32 buffers (head.scratch; compiled, none), in either dtype:
     chunk_stats and slice_grad work in them (every entry written) and give, bit for bit, what they give in
     fresh tensors; so does the whole head, with a last chunk and a last vocabulary slice shorter than the
     others (300 rows in chunks of 128; slices of 436, 436, 152). Breaks if a buffer's stale rows or columns
@@ -148,9 +148,9 @@ def test_the_eager_head_works_in_its_reused_buffers_as_in_fresh_ones(monkeypatch
     a CPU its page faults)."""
     h, w, y, coef = _case(dtype, m=300)
     monkeypatch.setattr(head, "COMPILE", "0")
-    assert head.buffers(h, (2, 128, 1024)).shape == (2, 128, 1024)
+    assert head.scratch(h, (2, 128, 1024)).shape == (2, 128, 1024)
     monkeypatch.setattr(head, "COMPILE", "1")
-    assert head.buffers(h, (2, 128, 1024)) is None
+    assert head.scratch(h, (2, 128, 1024)) is None
     monkeypatch.setattr(head, "COMPILE", "0")
     space = torch.full((2, 64, 1024), float("nan"))
     fresh = head.chunk_stats(h[:64], w, y[:64], 0.7, True)
@@ -163,7 +163,7 @@ def test_the_eager_head_works_in_its_reused_buffers_as_in_fresh_ones(monkeypatch
     assert torch.equal(g, head.slice_grad(h[:64], w[:100], logz, scale, y[:64], 0.7)) and g.dtype == dtype
     assert not out.isnan().any()
     reused = _run(h, w, y, coef, 0.7, 128, True)
-    monkeypatch.setattr(head, "buffers", lambda hidden, shape: None)
+    monkeypatch.setattr(head, "scratch", lambda hidden, shape: None)
     for k, (a, b) in enumerate(zip(reused, _run(h, w, y, coef, 0.7, 128, True))):
         assert torch.equal(a, b), k
 

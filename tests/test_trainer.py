@@ -761,10 +761,10 @@ def test_the_micro_batch_loops_never_wait_on_the_device(tiny, tmp_path, monkeypa
     tally.loss_stats = reads.off_after(tally.loss_stats)  # after the loop: the statistics, norms, step
     assert len([m for m in policies.micro_batches(rows, idx, 80) if not m.idle]) >= 3  # several micro-batches
     keep = valid[idx].float()
-    denom = float(keep.sum())  # stapo.py's: a number all-reduced before the loop
+    num_tokens = float(keep.sum())  # stapo.py's: a number all-reduced before the loop
     with reads:
         old = stapo.token_stats(policy, rows, idx, valid, args.micro_tokens, args.temperature)
-        mb = stapo.MiniBatch(idx, old.logp, torch.linspace(-1, 1, len(idx)), keep, denom)
+        mb = stapo.MiniBatch(idx, old.logp, torch.linspace(-1, 1, len(idx)), keep, num_tokens)
         norm, _ = stapo.update(policy, opt, rows, valid, mb, args, tally)
     assert reads.seen == [] and norm > 0
 
@@ -862,24 +862,24 @@ def test_method_objectives_on_a_fixed_batch(tiny):
     adv = torch.tensor([1.0, -1.0, 0.5])
     s2t = stapo.spurious_tokens(logp, ent, adv, valid, args.tau_p, args.q)
     # justrl: every valid token, one global count
-    keep, denom = stapo.token_weights("justrl", ent, valid, s2t)
-    assert torch.equal(keep, valid) and denom == 9
+    scale, num_tokens = stapo.token_scales("justrl", ent, valid, s2t)
+    assert torch.equal(scale, valid) and num_tokens == 9
     # stapo: candidates (A > 0, p < 0.5, valid) are (0,0) H .5, (0,2) H 2, (2,0) H 1, (2,1) H .2;
     # median of [.2 .5 1 2] = .75, silenced: H < .75 -> (0,0), (2,1)
-    keep, denom = stapo.token_weights("stapo", ent, valid, s2t)
+    scale, num_tokens = stapo.token_scales("stapo", ent, valid, s2t)
     silenced = torch.zeros_like(valid)
     silenced[0, 0] = silenced[2, 1] = True
-    assert torch.equal(s2t.silenced, silenced) and torch.equal(keep, valid & ~silenced) and denom == 7
+    assert torch.equal(s2t.silenced, silenced) and torch.equal(scale, valid & ~silenced) and num_tokens == 7
     assert s2t.n_candidates == 4 and s2t.tau_h == pytest.approx(0.75)
     assert torch.equal(s2t.candidates.nonzero(), torch.tensor([[0, 0], [0, 2], [2, 0], [2, 1]]))
     # grpo: 1/|o_i| per token, the mean over sequences
-    keep, denom = stapo.token_weights("grpo", ent, valid, s2t)
-    assert torch.allclose(keep, valid / torch.tensor([[3.0], [2.0], [4.0]])) and denom == 3
+    scale, num_tokens = stapo.token_scales("grpo", ent, valid, s2t)
+    assert torch.allclose(scale, valid / torch.tensor([[3.0], [2.0], [4.0]])) and num_tokens == 3
     # entropy20: the top 20% entropy among the 9 valid tokens: 0.8-quantile of
     # the valid H = .5 .1 2 | .4 .4 | 1 .2 3 .7, sorted [.1 .2 .4 .4 .5 .7 1 2 3]: position 6.4 -> 1.4
-    keep, denom = stapo.token_weights("entropy20", ent, valid, s2t)
+    scale, num_tokens = stapo.token_scales("entropy20", ent, valid, s2t)
     expect = valid & (ent >= 1.4)
-    assert torch.equal(keep, expect) and denom == 2  # H = 2 and H = 3
+    assert torch.equal(scale, expect) and num_tokens == 2  # H = 2 and H = 3
 
 
 # ---- data -------------------------------------------------------------------------------------------------
@@ -1024,8 +1024,8 @@ rows = slice(0, 8) if world == 1 else [slice(0, 2), slice(2, 8)][rank]  # unequa
 out = {}
 s2t = stapo.spurious_tokens(logp[rows], ent[rows], adv[rows], valid[rows], args.tau_p, args.q)
 for method in ("stapo", "entropy20", "justrl", "grpo"):
-    keep, denom = stapo.token_weights(method, ent[rows], valid[rows], s2t)
-    out[method] = {"keep": parallel.gather(keep.float().tolist()), "denom": denom,
+    scale, num_tokens = stapo.token_scales(method, ent[rows], valid[rows], s2t)
+    out[method] = {"scale": parallel.gather(scale.float().tolist()), "num_tokens": num_tokens,
                    "tau_h": s2t.tau_h, "candidates": s2t.n_candidates}
 if rank == 0:
     with open(sys.argv[2], "w") as f:
@@ -1036,7 +1036,7 @@ os._exit(0)  # no teardown, as tests/contract_ddp.py ends (a rank once aborted a
 
 
 @pytest.mark.slow
-def test_token_weights_on_two_ranks_equal_one_process(tmp_path):
+def test_token_scales_on_two_ranks_equal_one_process(tmp_path):
     """Each rank holds a different, unequal share of a mini-batch: the keep mask, the denominator, tau_h
     and the candidate count must be those of one process holding all of it (a per-rank quantile fails)."""
     (tmp_path / "w.py").write_text(TWO_RANK_WEIGHTS)
@@ -1046,10 +1046,10 @@ def test_token_weights_on_two_ranks_equal_one_process(tmp_path):
                     *run_py[1:], str(tmp_path / "two.json")], check=True, timeout=300)
     one, two = (json.load(open(tmp_path / f)) for f in ("one.json", "two.json"))
     for method in one:
-        assert sum(two[method]["keep"], []) == one[method]["keep"][0], method
-        assert two[method]["denom"] == one[method]["denom"], method
+        assert sum(two[method]["scale"], []) == one[method]["scale"][0], method
+        assert two[method]["num_tokens"] == one[method]["num_tokens"], method
     assert two["stapo"]["tau_h"] == pytest.approx(one["stapo"]["tau_h"]) and one["stapo"]["candidates"] >= 4
-    assert 0 < sum(map(sum, one["stapo"]["keep"][0])) < sum(map(sum, one["justrl"]["keep"][0]))  # some silenced
+    assert 0 < sum(map(sum, one["stapo"]["scale"][0])) < sum(map(sum, one["justrl"]["scale"][0]))  # some silenced
 
 
 def test_an_unchanged_policy_has_a_ratio_of_exactly_one_in_every_mini_batch(tiny, tmp_path, monkeypatch, one_thread):
