@@ -137,17 +137,28 @@ def cut_by_length(lengths, budget, cost=MICRO_BATCH_COST):
     return out[::-1]
 
 
+def length(row):
+    """A sample's tokens, its prompt's and its response's (row: one (prompt ids, response ids) of a batch):
+    what a micro-batch holding it is padded to."""
+    return len(row[0]) + len(row[1])
+
+
+def shortest_first(rows, idx):
+    """Sample indices idx sorted by their samples' lengths, shortest first: the order micro_batches cuts."""
+    return sorted(idx, key=lambda i: length(rows[i]))
+
+
 class MicroBatch(NamedTuple):
     part: slice     # its samples: a slice of the mini-batch's idx
     idle: bool      # a rank with fewer micro-batches than another runs its first sample, for nothing
 
 
 def micro_batches(rows, idx, budget):
-    """Split idx, sample indices sorted by length (shortest first, as split_minibatches gives them), into
+    """Split idx, sample indices sorted by length (shortest_first, as split_minibatches gives them), into
     micro-batches of at most `budget` padded tokens (cut_by_length: similar lengths share one, so little of it
     is padding). Every rank gets the same count (FSDP's collectives need it): a rank with fewer runs idle ones,
     its first sample computed and weighed 0."""
-    n = [len(rows[i][0]) + len(rows[i][1]) for i in idx]
+    n = [length(rows[i]) for i in idx]
     if n != sorted(n):
         raise ValueError("policy.micro_batches: idx must be sorted by length, shortest first")
     out = [MicroBatch(part, False) for part in cut_by_length(n, budget, MICRO_BATCH_COST)]

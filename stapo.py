@@ -29,7 +29,7 @@ from parallel import (UserError, all_reduce_numbers, check_shared_out, full_tens
                       init_distributed, refuse_used_out, require_model, run_program)
 from layers import should_compile
 from policy import (TokenStats, build_optimizer, build_policy, head_grad_norm, micro_batches, response_logprobs,
-                    token_stats)
+                    shortest_first, token_stats)
 from problems import encode_problems, load_problems, probe_tokens, seed_of, step_prompts
 from reward import score_all
 from rollout import compute_dtype, engine_kind, full_params, make_engine, sampler_logprobs
@@ -264,7 +264,7 @@ def revisit(later, step, found, policy, args):
     if not all_reduce_numbers(len(due), op=dist.ReduceOp.MAX)[0]:
         return later.row(0, 0, 0, 0)
     rows = [(prompt, response) for prompt, response, _ in due] or [([0], [0])]
-    idx = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
+    idx = shortest_first(rows, range(len(rows)))
     R = max(len(r) for _, r in rows)
     device = next(policy.parameters()).device
     valid = torch.arange(R, device=device) < torch.tensor([len(r) for _, r in rows], device=device)[:, None]
@@ -297,8 +297,7 @@ def make_batch(prompts, groups, adv, device):
 def split_minibatches(rows, count):
     """The step's samples in `count` mini-batches of consecutive prompts, each sorted by length."""
     per = len(rows) // count
-    by_length = lambda i: len(rows[i][0]) + len(rows[i][1])  # noqa: E731
-    return [sorted(range(b * per, (b + 1) * per), key=by_length) for b in range(count)]
+    return [shortest_first(rows, range(b * per, (b + 1) * per)) for b in range(count)]
 
 
 def set_lr(opt, args, step):
