@@ -1,9 +1,11 @@
-"""Several nodes, simulated on this machine: torchrun --nnodes 2 --node-rank 0|1 with a static rendezvous on
-127.0.0.1. HSDP (shard within a node, replicate across nodes) trains what one process trains, all-reducing the
-gradients across nodes once per update; a shared --out checkpoints and resumes; separate --out folders
-(node-local disks) fail at once, on every rank, never hang, with one line."""
+"""Several nodes, simulated on this machine: the README's and docs/gpu.md's two-node command, as written (torchrun's
+c10d rendezvous, which assigns the node ranks), with 127.0.0.1 for the first node's address. HSDP (shard within a
+node, replicate across nodes) trains what one process trains, all-reducing the gradients across nodes once per
+update; a shared --out checkpoints and resumes; separate --out folders (node-local disks) fail at once, on every
+rank, never hang, with one line."""
 import json
 import os
+import shlex
 
 import pytest
 import socket
@@ -19,15 +21,39 @@ pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves the
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def documented_command():
+    """The two-node command the README and docs/gpu.md give (one and the same), as argv: torchrun's flags up to
+    stapo.py, then its flags."""
+    commands = []
+    for page in ("README.md", os.path.join("docs", "gpu.md")):
+        text = open(os.path.join(ROOT, page)).read().replace("\\\n", " ")
+        commands += [line.split("#")[0].strip() for line in text.splitlines() if "torchrun --nnodes 2" in line]
+    assert len(commands) >= 2 and len(set(commands)) == 1, commands
+    return shlex.split(commands[0])
+
+
+def test_the_documented_two_node_command_lets_torchrun_assign_the_node_ranks():
+    """The command names a rendezvous that assigns node ranks (c10d) or spells --node-rank out. Breaks with
+    torchrun's default static rendezvous and no --node-rank, where both nodes claim node 0."""
+    argv = documented_command()
+    flags = argv[:argv.index("stapo.py")]
+    assert "--node-rank" in flags or flags[flags.index("--rdzv-backend") + 1] == "c10d", flags
+    assert {"--nnodes", "--rdzv-endpoint", "--rdzv-id"} <= set(flags), flags
+
+
 def nodes(argv_of_node, per_node, timeout=600, **env):
-    """Two torchrun "nodes" of per_node processes each; returns their CompletedProcess-like results."""
+    """Two torchrun "nodes" of per_node processes each, launched with the documented command (its address
+    127.0.0.1 and a free port, its process count per_node, stapo.py's flags the test's): the results of each."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    command = documented_command()
+    launcher = command[:command.index("stapo.py")]
+    launcher[launcher.index("--nproc-per-node") + 1] = str(per_node)
+    launcher[launcher.index("--rdzv-endpoint") + 1] = f"127.0.0.1:{port}"
+    launcher = [sys.executable, "-m", "torch.distributed.run", *launcher[1:]]  # torchrun, of this Python
     env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
-                               "--nproc-per-node", str(per_node), "--rdzv-endpoint", f"127.0.0.1:{port}",
-                               os.path.join(ROOT, "stapo.py"), *argv_of_node(r)],
+    procs = [subprocess.Popen([*launcher, os.path.join(ROOT, "stapo.py"), *argv_of_node(r)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
     try:
