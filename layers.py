@@ -42,22 +42,16 @@ def checkpoint_keywords(mode):
 class Layers:
     """The decoder layers' runtime: how their activations are checkpointed (checkpointing: full, selective or
     off), whether their calls are compiled (backend: compile_layers' compiler, None when eager), and the calls
-    that ran outside a compiled graph (run_in_python: every call when eager; when compiled, a variant past
-    dynamo's recompile limit, which dynamo then runs in Python)."""
+    that ran in Python, outside a compiled graph (eager_calls: every call when eager; when compiled, those of
+    a variant past dynamo's recompile limit, or of frames the compiler failed on, which dynamo then runs in
+    Python; a step's metrics read it as a difference over the step)."""
     checkpointing: str = "full"
     backend: object = None
-    run_in_python: int = 0
+    eager_calls: int = 0
 
     @property
     def compiled(self):
         return self.backend is not None
-
-    @property
-    def eager_calls(self):
-        """The layer calls that ran eager: those run_layer ran in Python, and those of graphs the compiler failed
-        on (counted by the backend, for every policy of the process it compiles for: read it as a difference
-        over a span in which one policy runs, as a step's metrics do)."""
-        return self.run_in_python + (self.backend.eager_calls if self.backend else 0)
 
     @property
     def failures(self):
@@ -81,7 +75,7 @@ def run_layer(runtime, forward, *args, **kwargs):
     is the frame dynamo compiles: the checkpoint sits inside the layer's graph, so its backward recomputes in
     its own compiled graph, and the count is traced away (a compiled call moves it not)."""
     if not torch.compiler.is_compiling():
-        runtime.run_in_python += 1
+        runtime.eager_calls += 1
     keywords = checkpoint_keywords(runtime.checkpointing)
     if keywords is None or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
@@ -106,7 +100,7 @@ def compile_layers(lm, runtime, compiler="inductor"):
     """torch.compile of each decoder layer, in place (after fully_shard: FSDP2's hooks stay outside the graphs).
     The compiled layer fuses its norms, RoPE, SwiGLU and residual adds, and its checkpoint's recompute; shapes
     are dynamic (micro-batches differ in length), and the parameters' names stay as they were (checkpoints,
-    syncs). A graph that fails to compile runs eager, counted, with one warning. The recompile limit is
+    syncs). A compiler that fails leaves the layers eager, counted, with one warning. The recompile limit is
     dynamo's process-wide setting, raised to RECOMPILE_LIMIT: torch 2.11's compile takes no per-call limit."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
@@ -126,8 +120,9 @@ def eager_layers(lm, runtime):
 
 @cache  # one per compiler in a process: dynamo ties each compiled variant to the backend object that made it,
 def fallback_backend(compiler):  # so a new one would compile every variant again
-    """`compiler` (a name or a compiler function) as a dynamo backend whose failure on a graph warns once and
-    runs that graph eager, counting its calls (.eager_calls) and keeping the error (.failures)."""
+    """`compiler` (a name or a compiler function) as a dynamo backend whose failure on a graph warns once
+    (keeping the error in .failures) and hands the frame back to dynamo to run in Python: run_layer then runs
+    eager, its checkpoint as asked, for the rest of the process, and counts each call."""
     compile_graph = torch._dynamo.lookup_backend(compiler)
 
     def backend(graph, example_inputs):
@@ -135,19 +130,13 @@ def fallback_backend(compiler):  # so a new one would compile every variant agai
             return compile_graph(graph, example_inputs)
         except (torch.OutOfMemoryError, RestartAnalysis, SkipFrame):  # dynamo's own signals pass through
             raise
-        except Exception as e:  # noqa: BLE001  (a compiler that fails on this graph: it runs eager)
+        except Exception as e:  # noqa: BLE001  (a compiler that fails on this graph: the layers run eager)
             if not backend.failures:
-                warnings.warn(f"layers.py: torch.compile of a decoder layer failed; that layer graph runs eager, "
-                              f"slower ({type(e).__name__}: {' '.join(str(e).split())[:200]}). "
+                warnings.warn(f"layers.py: torch.compile of a decoder layer failed; the layers run eager, slower "
+                              f"({type(e).__name__}: {' '.join(str(e).split())[:200]}). "
                               "--compile-layers off runs every layer eager from the start")
             backend.failures.append(e)
-            return partial(run_graph_eager, backend, graph.forward)
+            raise SkipFrame(f"layers.py: the compiler failed ({type(e).__name__}); this frame runs eager") from e
 
-    backend.failures, backend.eager_calls = [], 0
+    backend.failures = []
     return backend
-
-
-def run_graph_eager(backend, forward, *args):
-    """A layer graph that failed to compile, run eager and counted (one graph: one layer call)."""
-    backend.eager_calls += 1
-    return forward(*args)

@@ -645,6 +645,49 @@ def test_layer_calls_that_run_eager_although_compiled_are_counted_and_said(tiny,
     assert "eager_layer_calls" not in metrics_of(tmp_path / "eager")[0]
 
 
+class Matmuls(TorchDispatchMode):
+    """Counts the matmuls (mm, addmm, bmm) dispatched while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ in ("mm", "addmm", "bmm")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_failed_layer_compile_runs_eager_with_its_checkpoint_and_is_counted(tiny):
+    """A compiler that fails on the layers' graph: the layers run eager from then on, each call counted in
+    Layers.eager_calls, and their backward recomputes what full checkpointing dropped, as eager layers do (the
+    same matmuls counted). Breaks if the fallback runs the traced graph instead (torch 2.11 runs that graph's
+    checkpoint body without a checkpoint: the memory of --checkpointing off), or leaves its calls uncounted."""
+    d, _ = tiny
+    rank, world, device, mesh = parallel.init_distributed()
+    rows = [([1, 2, 3], [4, 5, 6, 7]), ([1, 2], [3, 4])]
+    valid = torch.arange(4) < torch.tensor([4, 2])[:, None]
+
+    def backward_matmuls(policy):
+        logp = policies.response_logprobs(policy, rows, [1, 0], valid, 1.0).logp
+        with Matmuls() as seen:
+            (logp * valid[[1, 0]]).sum().backward()
+        return seen.count
+
+    def broken(graph, example_inputs):
+        raise RuntimeError("no C++ compiler here")
+    eager = backward_matmuls(policies.build_policy(str(d / "model"), mesh, device))
+    torch._dynamo.reset()
+    try:
+        policy = policies.build_policy(str(d / "model"), mesh, device)
+        with pytest.warns(UserWarning, match="torch.compile of a decoder layer failed"):
+            layers.compile_layers(policy.lm, policy.layers, broken)
+            calls = policy.layers.eager_calls
+            assert backward_matmuls(policy) == eager and policy.layers.failures
+        assert policy.layers.eager_calls - calls == len(policy.lm.get_decoder().layers)
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_checkpointing_full_selective_and_off_give_the_same_gradients(tiny, compiled):
     """--checkpointing full, selective and off: the same log p and every parameter's gradient, bit for bit, eager
@@ -659,15 +702,6 @@ def test_checkpointing_full_selective_and_off_give_the_same_gradients(tiny, comp
     rows = [(torch.randint(100, (p,), generator=g).tolist(), torch.randint(100, (r,), generator=g).tolist())
             for p, r in ((3, 4), (5, 2), (2, 7))]
     valid = torch.arange(7) < torch.tensor([len(r) for _, r in rows])[:, None]
-
-    class Matmuls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func.overloadpacket.__name__ in ("mm", "addmm", "bmm")
-            return func(*args, **(kwargs or {}))
 
     out = {}
     torch._dynamo.reset()
