@@ -24,8 +24,8 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
 from evaluation import BENCHMARKS, PRESETS, EvalOptions, evaluate, summarize
-from parallel import (UserError, check_shared_out, gather, init_distributed, refuse_used_out, require_model,
-                      run_program)
+from parallel import (UserError, check_out, check_shared_out, gather, init_distributed, refuse_used_out,
+                      require_model, run_program)
 from problems import encode_prompt, read_jsonl
 from reward import judge_prompt, judge_verdict
 from rollout import compute_dtype, make_engine
@@ -147,6 +147,15 @@ def main(argv=None):
     a.sources = dict(x.split("=", 1) for x in a.source if "=" in x)
     if len(a.sources) != len(a.source) or any(n not in BENCHMARKS for n in a.sources):
         p.error(f"--source: expected NAME=FILE with NAME one of {list(BENCHMARKS)}, got {a.source}")
+    for flag, value, ok, must in (("--samples", a.samples, lambda v: v >= 1, "at least 1"),
+                                  ("--limit", a.limit, lambda v: v >= 1, "at least 1"),
+                                  ("--max-tokens", a.max_tokens, lambda v: v >= 1, "at least 1"),
+                                  ("--temperature", temperature, lambda v: v >= 0, "at least 0 (0: greedy)"),
+                                  ("--top-p", top_p, lambda v: 0 < v <= 1, "in (0, 1]")):
+        if value is not None and not ok(value):
+            p.error(f"{flag} {value}: must be {must}")
+    if not a.judge_shard:
+        check_out(a.out)  # before any model is read
     rank, world, device, _ = init_distributed(use_cuda=not a.judge_only)  # --judge-only: CUDA in its judges only
     judge_share(a, device) if a.judge_shard else run(a, names, temperature, top_p, rank, world, device)
 

@@ -3,6 +3,7 @@ check that every rank sees the same --out, the refusal of a used one, and the us
 """
 import os
 import sys
+import tempfile
 from datetime import timedelta
 
 import torch
@@ -118,6 +119,20 @@ def check_shared_out(out, rank):
     dist.barrier()
     sees = os.path.exists(path) and open(path).read() == token
     require_shared(sees, out, "cannot see what rank 0 wrote there")
+
+
+def check_out(out):
+    """--out must be a folder, or a path whose nearest existing folder takes a new one: tried with a folder
+    made there and removed at once, so nothing is left."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"--out {out}: a file, not a folder")
+    near = os.path.abspath(out)
+    while not os.path.exists(near):
+        near = os.path.dirname(near)
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=near))
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot be written ({near}: {e.strerror})") from None
 
 
 def refuse_used_out(out, held, ways):

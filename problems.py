@@ -115,6 +115,28 @@ def load_problems(spec):
     return out
 
 
+def check_dataset(spec):
+    """--dataset: a local .jsonl or .parquet file, or a Hub id (org/name); a local file of another kind is
+    refused by name (datasets would report it as not found)."""
+    local = os.path.exists(spec) or spec.startswith(("/", ".", "~")) or spec.count("/") != 1
+    if spec.endswith((".jsonl", ".parquet")) or local:
+        if not os.path.isfile(spec):
+            raise UserError(f"--dataset {spec}: no such file (a .jsonl or .parquet file, or a Hub id such as "
+                            "BytedTsinghua-SIA/DAPO-Math-17k)")
+        if not spec.endswith((".jsonl", ".parquet")):
+            raise UserError(f"--dataset {spec}: a .jsonl or .parquet file is read (one problem a line or row, "
+                            "README: training data), not {os.path.splitext(spec)[1] or 'a file without extension'}")
+
+
+def check_problems(data, dataset, dropped, max_prompt_len):
+    """The training problems after the tokenizer: none at all, or none short enough, is refused."""
+    if not data and not dropped:
+        raise UserError(f"--dataset {dataset}: holds no problems")
+    if not data:
+        raise UserError(f"--dataset {dataset}: every one of its {dropped} prompts is longer than --max-prompt-len "
+                        f"{max_prompt_len} tokens")
+
+
 def step_prompts(data, step, per_step, minibatches, seed, rank, world):
     """This rank's share of step `step`'s `per_step` prompts, mini-batch by mini-batch: mini-batch b is the
     same block of prompts whatever the world size. The data is shuffled anew (seeded) every epoch."""

@@ -1,9 +1,10 @@
 """rollout.py: the engines. Prompts in, samples out, and the trainer's weights in after every step.
 
-The trainer and eval.py speak to an engine through four calls (and engine.close() after their last collective):
+The trainer and eval.py speak to an engine through five calls (and engine.close() after their last collective):
     engine.generate(prompts, n, temperature, top_p, max_tokens, seeds, progress=False, logprobs=True)
         -> [[Sample] * n per prompt]; sample j of seed s draws from seed s + j; logprobs=False: no sampler's
     engine.load_weights(named_tensors)   # the weights changed: (HF name, full tensor) pairs, one at a time
+    engine.weight_digest()               # {part: digest} of the weights it computes with: the sync's proof
     engine.logprobs_of(tokens)           # log p of tokens[1:] given their prefix: the sync's self-check
     engine.sleep()                       # rollout over: give the accelerator memory back to the trainer
 
@@ -20,6 +21,7 @@ reduced-precision bf16/fp16 reductions off, prefers cuBLASLt, and sets cuBLAS's 
 vLLM's CPU build has no sleep mode (VLLMEngine.sleep() does nothing there), runs eager, without chunked
 prefill (seeded requests fail under it on CPU), and emulates bf16, slower.
 """
+import functools
 import importlib.util
 import logging
 import os
@@ -120,6 +122,12 @@ class HFEngine:
             params[name].copy_(tensor)
 
     @torch.no_grad()
+    def weight_digest(self):
+        """{part: digest} of the weights the model computes with (WeightDigest), a tied head under its name."""
+        self.wake()
+        return digest_of(self.model.named_parameters(remove_duplicate=False), self.dtype)
+
+    @torch.no_grad()
     def logprobs_of(self, tokens):
         self.wake()
         logits = self.model(torch.tensor([tokens], device=self.device)).logits[0, :-1].float()
@@ -215,6 +223,10 @@ class VLLMEngine:
                                "with the old weights could be reused")
         self.asleep = False
 
+    def weight_digest(self):
+        """{part: digest} of the weights vLLM's worker computes with (vllm_weights, WeightDigest)."""
+        return self.llm.apply_model(functools.partial(vllm_digest, dtype=self.dtype))[0]
+
     def logprobs_of(self, tokens):
         from vllm import SamplingParams
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
@@ -303,6 +315,134 @@ def full_params(lm, dtype):
     tied lm_head goes under its own name too: vLLM reloads each layer from the names it receives."""
     for name, p in lm.named_parameters(remove_duplicate=False):
         yield name, full_tensor(p.detach().to(dtype))
+
+
+# ---- the sync's proof: a digest of the weights the engine computes with ---------------------------------
+
+def push_weights(engine, lm):
+    """The weight sync (stapo.sync_engine): every parameter of lm pushed into the engine (full_params),
+    then proved exact. Its digest is taken on the way in, from the tensors pushed, one at a time, on their
+    device (no second all-gather); the engine's from the weights it computes with (weight_digest). Raises
+    unless the two agree in every part of the model, bit for bit: a sync that pushed nothing, part of the
+    weights or a tied head under the embedding's name alone fails in bf16 as in fp32, even one optimizer
+    step at lr 1e-6 behind, which the probe's log-probs cannot tell from bf16's noise (docs/training.md)."""
+    pushed = WeightDigest(engine.dtype)
+    engine.load_weights(pushed.passing(full_params(lm, engine.dtype)))
+    check_weights(pushed.result(), engine.weight_digest())
+
+
+def check_weights(pushed, held):
+    """Raises unless each part of the model (digest_group) has the same digest in the engine as pushed."""
+    differ = [g for g in held if g in pushed and pushed[g] != held[g]]
+    unsent, unknown = [g for g in held if g not in pushed], [g for g in pushed if g not in held]
+    if differ or unsent or unknown:
+        said = [f"other weights than those pushed in {', '.join(differ)}" if differ else "",
+                f"nothing pushed for {', '.join(unsent)}" if unsent else "",
+                f"no part named {', '.join(unknown)}, which was pushed" if unknown else ""]
+        raise RuntimeError(f"engine weight sync: the engine holds {'; '.join(x for x in said if x)} "
+                           f"({len(differ) + len(unsent) + len(unknown)} of {len(held | pushed)} parts): a stale, "
+                           "partial or mis-mapped sync")
+
+
+def digest_group(name):
+    """The part of the model a weight counts in: its decoder layer ("model.layers.3"), else its module
+    ("model.embed_tokens", "model.norm", "lm_head"). HF's names and vLLM's agree on these parts, whose
+    digests do not see how vLLM fuses their weights (qkv_proj, gate_up_proj) or lays them out."""
+    head, layers, rest = name.partition(".layers.")
+    return head + layers + rest.split(".")[0] if layers else name.rpartition(".")[0]
+
+
+HASH_MULTIPLIER = 0x45D9F3B  # hash32: a bijection of 32-bit integers (xor-shift, multiply; twice; xor-shift)
+
+
+def hash32(bits):
+    """int64 values in [0, 2^32): each one's 32-bit hash, in int64; no product reaches 2^59, so every
+    device computes it exactly."""
+    bits = ((bits >> 16) ^ bits) * HASH_MULTIPLIER & 0xFFFFFFFF
+    bits = ((bits >> 16) ^ bits) * HASH_MULTIPLIER & 0xFFFFFFFF
+    return (bits >> 16) ^ bits
+
+
+def value_hashes(x):
+    """Each value's hash32, of its fp32 bit pattern (exact for bf16 values), -0 counted as +0."""
+    return hash32((x.float() + 0.0).view(torch.int32).long() & 0xFFFFFFFF)
+
+
+class WeightDigest:
+    """Per part of the model (digest_group), the sum over its weights' values of each value's hash32, in
+    int64: exact, so the same weights give the same digest in bf16 as in fp32, and any changed value
+    changes it (hash32 is a bijection: two values that move one ulp each way do not cancel, as their bit
+    patterns' sum would). A sum, so the order of values and tensors does not count: a fused qkv_proj has
+    the digest of its q, k and v, a weight that of its transpose or its packed copy. Values are taken in
+    `dtype`, the engine's. Below 2^31 values per part (a decoder layer of Qwen3-14B has 2^28), no sum
+    overflows."""
+
+    CHUNK = 1 << 24  # values hashed at a time: in bf16, 256 MB of temporaries at most
+
+    def __init__(self, dtype):
+        self.dtype, self.sums, self.tables = dtype, {}, {}
+
+    def add(self, name, tensor):
+        """tensor's values into name's part; on its device, nothing read back."""
+        group, flat = digest_group(name), tensor.detach().reshape(-1)
+        for part in flat.split(self.CHUNK):
+            self.sums[group] = self.sums.get(group, 0) + self.hashes(part.to(self.dtype)).sum()
+
+    def hashes(self, x):
+        """value_hashes; in bf16 by a table of the 2^16 values' hashes, a tenth of the work."""
+        if x.dtype != torch.bfloat16:
+            return value_hashes(x)
+        if x.device not in self.tables:  # bf16 bit pattern b (as int16) is fp32 bit pattern b * 2^16 (as int32)
+            patterns = torch.arange(-1 << 15, 1 << 15, dtype=torch.int32, device=x.device) * (1 << 16)
+            self.tables[x.device] = value_hashes(patterns.view(torch.float32))
+        return self.tables[x.device][x.view(torch.int16).int().add_(1 << 15)]
+
+    def passing(self, named_tensors):
+        """named_tensors as they are, each added on its way through."""
+        for name, tensor in named_tensors:
+            self.add(name, tensor)
+            yield name, tensor
+
+    def result(self):
+        """{part: int}: the one read back from the device."""
+        return dict(zip(self.sums, torch.stack(list(self.sums.values())).tolist())) if self.sums else {}
+
+
+def digest_of(named_tensors, dtype):
+    """{part: digest} of (name, tensor) pairs (WeightDigest)."""
+    digest = WeightDigest(dtype)
+    for name, tensor in named_tensors:
+        digest.add(name, tensor)
+    return digest.result()
+
+
+READ_BACK_ROWS = 1024  # identity rows per packed read-back
+
+
+def vllm_weights(model):
+    """(name, tensor) of the weights a vLLM model computes with, in its worker. A layer that multiplies by a
+    packed copy of its weight (vLLM's CPU build: `cpu_linear`, the `weight` parameter emptied, or for the LM
+    head kept beside the copy, which a tied head sent only under the embedding's name leaves stale) is read
+    back through that copy: identity rows in, its weight's columns out, exactly (one product by 1 per value).
+    Everything else as stored (on a GPU, every weight), vocabulary padding left out."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    for prefix, module in model.named_modules():
+        vocab = module.num_embeddings if isinstance(module, VocabParallelEmbedding) else None
+        for key, p in module.named_parameters(recurse=False):
+            name = f"{prefix}.{key}" if prefix else key
+            lookup = isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead)
+            if key == "weight" and hasattr(module, "cpu_linear") and not lookup:  # an embedding looks up p
+                k = module.input_size_per_partition
+                eye = torch.eye(k, dtype=p.dtype, device=p.device)
+                for i in range(0, k, READ_BACK_ROWS):
+                    yield name, module.cpu_linear(eye[i:i + READ_BACK_ROWS], p, None)[:, :vocab]
+            elif p.numel():
+                yield name, p[:vocab]
+
+
+def vllm_digest(model, dtype):
+    """On vLLM's worker (LLM.apply_model): the digest of the weights its model computes with."""
+    return digest_of(vllm_weights(model), dtype)
 
 
 def sampler_logprobs(samples, valid):

@@ -11,7 +11,6 @@ import argparse
 import json
 import math
 import os
-import tempfile
 from contextlib import closing
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -21,18 +20,19 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
+from analysis import Later
 from checkpoint import StopAtStepEnd, load_checkpoint, save_hf, used_out
 from evaluation import BENCHMARKS, PRESETS as EVAL_PRESETS, EvalOptions, evaluate_during_training, longest_prompt
-from analysis import Later
-from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after, provenance, require_reporter
-from parallel import (UserError, all_reduce_numbers, check_shared_out, full_tensor, gather, gather_cat,
-                      init_distributed, refuse_used_out, require_model, run_program)
 from layers import should_compile
+from metrics import Reporter, StepMetrics, append_jsonl, drop_steps_after, provenance, require_reporter
+from parallel import (UserError, all_reduce_numbers, check_out, check_shared_out, full_tensor, gather, gather_cat,
+                      init_distributed, refuse_used_out, require_model, run_program)
 from policy import (TokenStats, build_optimizer, build_policy, head_grad_norm, micro_batches, response_logprobs,
                     shortest_first, token_stats)
-from problems import encode_problems, load_problems, probe_tokens, seed_of, step_prompts
+from problems import (check_dataset, check_problems, encode_problems, load_problems, probe_tokens, seed_of,
+                      step_prompts)
 from reward import score_all
-from rollout import compute_dtype, engine_kind, full_params, make_engine, sampler_logprobs
+from rollout import compute_dtype, engine_kind, make_engine, push_weights, sampler_logprobs
 from rollout_is import rollout_is_weights
 from stapo_core import group_advantages, quantile, s2t_candidates, s2t_silence, s2t_threshold, stapo_loss
 
@@ -166,42 +166,6 @@ def check_args(args):
             raise UserError(f"--eval-benchmarks: unknown {unknown}; choose from {sorted(BENCHMARKS)}")
         if args.eval_data_dir and not os.path.isdir(args.eval_data_dir):
             raise UserError(f"--eval-data-dir {args.eval_data_dir}: no such folder")
-
-
-def check_dataset(spec):
-    """--dataset: a local .jsonl or .parquet file, or a Hub id (org/name); a local file of another kind is
-    refused by name (datasets would report it as not found)."""
-    local = os.path.exists(spec) or spec.startswith(("/", ".", "~")) or spec.count("/") != 1
-    if spec.endswith((".jsonl", ".parquet")) or local:
-        if not os.path.isfile(spec):
-            raise UserError(f"--dataset {spec}: no such file (a .jsonl or .parquet file, or a Hub id such as "
-                            "BytedTsinghua-SIA/DAPO-Math-17k)")
-        if not spec.endswith((".jsonl", ".parquet")):
-            raise UserError(f"--dataset {spec}: a .jsonl or .parquet file is read (one problem a line or row, "
-                            "README: training data), not {os.path.splitext(spec)[1] or 'a file without extension'}")
-
-
-def check_out(out):
-    """--out must be a folder, or a path whose nearest existing folder takes a new one: tried with a folder
-    made there and removed at once, so nothing is left."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UserError(f"--out {out}: a file, not a folder")
-    near = os.path.abspath(out)
-    while not os.path.exists(near):
-        near = os.path.dirname(near)
-    try:
-        os.rmdir(tempfile.mkdtemp(dir=near))
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot be written ({near}: {e.strerror})") from None
-
-
-def check_problems(data, dataset, dropped, max_prompt_len):
-    """The training problems after the tokenizer: none at all, or none short enough, is refused."""
-    if not data and not dropped:
-        raise UserError(f"--dataset {dataset}: holds no problems")
-    if not data:
-        raise UserError(f"--dataset {dataset}: every one of its {dropped} prompts is longer than --max-prompt-len "
-                        f"{max_prompt_len} tokens")
 
 
 # ---- one step: Algorithm 1 ------------------------------------------------------------------------
@@ -411,11 +375,12 @@ SYNC_TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (0.1, 2.0)}
 
 @torch.no_grad()
 def sync_engine(engine, policy, probe, device):
-    """Push the policy's weights into the engine, then prove the engine computes what the trainer
-    does: its log-probs of a fixed probe sequence must match the trainer's (a stale, partial or
-    mis-mapped sync fails here, even a copy the engine reads back right but never samples with).
-    Returns the gaps' mean and max."""
-    engine.load_weights(full_params(policy.lm, engine.dtype))
+    """Push the policy's weights into the engine, then prove twice that the engine computes what the trainer
+    does: the weights it computes with are, part by part, bit for bit those pushed (a digest,
+    rollout.push_weights: a stale, partial or mis-mapped sync fails there, in bf16 as in fp32), and its
+    log-probs of a fixed probe sequence match the trainer's (an engine that holds the right weights but
+    computes with something else fails here). Returns the probe gaps' mean and max."""
+    push_weights(engine, policy.lm)
     rows = [(probe[:1], probe[1:])]
     valid = torch.ones(1, len(probe) - 1, dtype=torch.bool, device=device)
     want = response_logprobs(policy, rows, [0], valid, 1.0).logp[0]

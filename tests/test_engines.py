@@ -2,7 +2,8 @@
 process or the trainer can have it. For eval.py the weights wait in host memory and the next call brings them
 back unchanged; in training they are dropped, and the next weight sync makes them anew, with no round trip
 through host memory. On the CPU it does nothing. Checked on the CPU: the engine is told it is a CUDA one for
-its sleep alone."""
+its sleep alone. And the weight sync's proof (rollout.push_weights: a digest of the weights pushed against the
+engine's), its digest's properties and the HF engine's verdicts."""
 import pytest
 import torch
 
@@ -94,3 +95,101 @@ def test_in_training_sleep_on_cuda_drops_the_weights_and_the_sync_makes_them_ane
     sleep_as_on_cuda(engine, monkeypatch)
     with pytest.raises(RuntimeError, match="left 1 weights unset"):  # a sync that misses a weight
         engine.load_weights(iter(new[1:]))
+
+
+# ---- the sync's proof: the weight digest (rollout.push_weights) -----------------------------------------
+
+def digest(tensor, dtype=torch.bfloat16, name="model.layers.0.mlp.up_proj.weight"):
+    return rollout.digest_of([(name, tensor)], dtype)[rollout.digest_group(name)]
+
+
+def nudged(t, at, ulps):
+    """t with the value at flat index `at` moved by `ulps` units in the last place (its bit pattern's)."""
+    t = t.clone()
+    t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32).view(-1)[at] += ulps
+    return t
+
+
+def test_the_digest_is_exact_and_blind_to_fusion_and_layout():
+    """A part's digest is the same however vLLM holds its weights: q, k and v apart or fused into one qkv_proj
+    (concatenated), a weight or its transpose (a packed copy read back), a bf16 value counted in bf16 or in fp32
+    (the bf16 table and the hash it tabulates agree), -0 as +0 (a read-back product gives +0); and any changed
+    value changes it: one ulp, and also one ulp up here and one down there (in the same binade, of the same sign),
+    which a sum of bit patterns would cancel. Breaks if the digest summed bit patterns (the two ulps cancel),
+    tabulated bf16 apart from the fp32 hash, or told -0 from +0."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (0.02 * torch.randn(n, 64, generator=g) for n in (64, 32, 32))
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        assert digest(torch.cat([q, k, v]), dtype) == digest(q, dtype) + digest(k, dtype) + digest(v, dtype)
+        assert digest(q.t(), dtype) == digest(q, dtype) == digest(q.float(), torch.float32)
+        zeros = torch.zeros(8, dtype=dtype)
+        assert digest(zeros, dtype) == digest(-zeros, dtype) == 0
+        assert digest(nudged(q, 5, 1), dtype) != digest(q, dtype)
+        flat = q.reshape(-1).float()
+        twin = next(i for i in range(1, flat.numel()) if flat[i].sign() == flat[0].sign()
+                    and torch.frexp(flat[i]).exponent == torch.frexp(flat[0]).exponent)
+        assert digest(nudged(nudged(q, 0, 1), twin, -1), dtype) != digest(q, dtype)
+
+
+def test_the_digests_parts_are_the_same_on_hf_and_vllm_names():
+    """HF's names and vLLM's fall into the same parts: a decoder layer's whole (vLLM fuses q, k, v and gate, up
+    inside it), the embedding, the final norm, the LM head. Breaks if a layer's index were dropped (every layer
+    one part: a swap of two layers' weights unseen) or a fused name fell into a part of its own."""
+    hf = ["model.layers.11.self_attn.q_proj.weight", "model.layers.11.mlp.gate_proj.weight",
+          "model.layers.11.input_layernorm.weight"]
+    vllm = ["model.layers.11.self_attn.qkv_proj.weight", "model.layers.11.mlp.gate_up_proj.weight"]
+    assert {rollout.digest_group(n) for n in hf + vllm} == {"model.layers.11"}
+    assert rollout.digest_group("model.layers.1.mlp.down_proj.weight") == "model.layers.1"
+    assert [rollout.digest_group(n) for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")] == [
+        "model.embed_tokens", "model.norm", "lm_head"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_weight_digest_catches_every_broken_sync_on_the_hf_engine(tied, dtype, tiny, tmp_path):
+    """rollout.push_weights into the HF engine, one engine through every case (vllm_engine_check.digest_cases, as
+    on vLLM's CPU build in tests/test_vllm.py): an engine on weights of its own (randomised) with nothing sent, a
+    push that never reads its tensors, one that stops before the final norm and the lm_head, and one optimizer
+    step at lr 1e-6 that never reached the engine, each fail; good syncs an optimizer step apart pass, in bf16
+    too. A lm_head left out of an untied model fails; of a tied one it passes, for the engine's head is its
+    embedding (the digest reads what the engine computes with); once the engine's head is a tensor of its own,
+    it fails. Breaks if the digest left the lm_head out (the partial push passes for it), compared only the parts
+    pushed (the unread push passes), were taken of what the engine was sent rather than of its weights (a push
+    that sends nothing names no part that differs), or gave a tied model's head the embedding's digest (the
+    engine's own head passes)."""
+    import parallel
+    import vllm_engine_check
+    from policy import build_optimizer, build_policy
+    from problems import encode_prompt
+    d, tok = tiny
+    model = tied_copy(d / "model", tmp_path / "tied") if tied else str(d / "model")
+    rank, world, device, mesh = parallel.init_distributed()
+    policy = build_policy(model, mesh, device, rollout.DTYPES[dtype])
+    engine = rollout.HFEngine(model, device, rollout.DTYPES[dtype], tok.eos_token_id, for_training=True)
+    assert (engine.model.lm_head.weight is engine.model.model.embed_tokens.weight) == tied
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in engine.model.parameters():  # never the policy's
+            p.copy_(0.02 * torch.randn(p.shape, generator=g))
+    seen = vllm_engine_check.digest_cases(engine, policy, tok, encode_prompt(tok, "What is 1 + 1?"))
+    vllm_engine_check.check_verdicts(seen, rollout.DTYPES[dtype], head_unsent_held=tied)
+    assert seen["good_probe_gap"] <= 1e-4 or dtype == "bf16"
+    if tied:  # the engine's head, a tensor of its own: left out, it stays stale
+        head = engine.model.lm_head
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        vllm_engine_check.one_step(policy, build_optimizer(policy, 1e-6, 0.1), tok, 5)
+        unsent = vllm_engine_check.verdict(engine, policy, lambda named: rollout.HFEngine.load_weights(
+            engine, ((n, t) for n, t in named if n != "lm_head.weight")))
+        assert vllm_engine_check.parts_named(unsent) == {"lm_head"}, unsent
+
+
+
+def tied_copy(path, out):
+    """The model at path with its LM head tied to its input embedding (the embedding's values), as Qwen3-0.6B to 4B."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(out)
+    return str(out)

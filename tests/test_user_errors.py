@@ -101,3 +101,16 @@ def test_eval_compare_of_folders_without_results_is_one_line(tmp_path, capsys):
     for a, b, missing in ((done, tmp_path / "nope", "nope"), (tmp_path / "nope", done, "nope")):
         code, lines = run_main(lambda: ev.main(["--compare", str(a), str(b)]), capsys)
         assert code == 2 and len(lines) == 1 and f"{tmp_path / missing} holds no results.json" in lines[0], lines
+
+
+@pytest.mark.parametrize("flags, message", [(["--out", "/proc/stapo_eval"], "--out /proc/stapo_eval: cannot be written"),
+                                            (["--samples", "0"], "--samples 0: must be at least 1"),
+                                            (["--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]")])
+def test_eval_refuses_a_bad_flag_in_one_line_before_any_model_is_read(tiny, capsys, monkeypatch, flags, message):
+    """eval.py's numbers and --out are checked before the tokenizer or an engine is built. Breaks if a check
+    waits for the model (the engine builder fails the test)."""
+    def built(*args, **kwargs):
+        raise AssertionError("an engine was built before the error was found")
+    monkeypatch.setattr(ev, "make_engine", built)
+    code, lines = run_main(lambda: ev.main(["--model", str(tiny[0] / "model"), *flags]), capsys)
+    assert code == 2 and len(lines) == 1 and message in lines[0], lines

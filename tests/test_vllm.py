@@ -22,6 +22,7 @@ import rollout
 import problems
 import parallel
 import stapo
+import vllm_engine_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 real_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -65,6 +66,9 @@ def test_real_engine_sync_seeds_and_self_check(tiny_vllm, tmp_path):
     assert set(synced["caught"]) == {"stale", "partial", "lm_head_via_model_load_weights"}
     for name, what in synced["caught"].items():
         assert what.startswith("RuntimeError: engine weight sync"), (name, what)
+    # the weight digest, untied in fp32 (the other three corners: the test below)
+    vllm_engine_check.check_verdicts({**synced["digest"], **synced["digest_fresh"]}, torch.float32,
+                                     head_unsent_held=False)
     # closed during an error mid-step, its wake out of memory: vLLM's real shutdown ran all the same (the
     # engine core's finalizer detached, the process group gone), and the error mid-step is the one that
     # propagated, untouched; the failed wake is one warning line. Broke before: the out-of-memory replaced
@@ -73,6 +77,29 @@ def test_real_engine_sync_seeds_and_self_check(tiny_vllm, tmp_path):
                                "engine_core_alive": False, "group_alive": False, "engine_dropped": True}
     warned = [x for x in closed.stderr.splitlines() if "rollout: warning: closing the vLLM engine" in x]
     assert len(warned) == 1 and "RuntimeError: CUDA Error: out of memory" in warned[0], closed.stderr[-3000:]
+
+
+@real_vllm
+@same_worker
+@pytest.mark.parametrize("tied,dtype", [(False, "bf16"), (True, "bf16"), (True, "fp32")])
+def test_the_weight_digest_catches_every_broken_sync_on_the_real_engine(tied, dtype, tiny_vllm, tiny_vllm_tied,
+                                                                         tmp_path):
+    """rollout.push_weights on vLLM's CPU build, one engine through every case (vllm_engine_check.digest_cases;
+    the fourth corner, untied in fp32, runs in the test above): vLLM's dummy weights with nothing sent, a push that
+    never reads its tensors, one that stops before the final norm and the lm_head, one that leaves the lm_head
+    out (a tied head sent under the embedding's name alone: the CPU build keeps multiplying by its packed copy of
+    the old head), and one optimizer step at lr 1e-6 that never reached the engine, each fail, naming the parts
+    that differ; four good syncs, an optimizer step apart, and one after the failures pass, the probe's check
+    too. In bf16 the stale engine's probe gap lies within the good syncs' noise (docs/training.md): the digest
+    is what catches it. Breaks if the digest read the LM head's parameter instead of the packed copy vLLM
+    computes with (a tied head it never repacked passes), left the lm_head out (the partial push passes for it),
+    compared only the parts pushed (the unread push passes), or if full_params stopped before its last tensor
+    (every good sync fails)."""
+    d, _ = tiny_vllm_tied if tied else tiny_vllm
+    check = os.path.join(ROOT, "tests", "vllm_engine_check.py")
+    run([sys.executable, check, str(d / "model"), str(tmp_path / "digest.json"), "digest", dtype])
+    vllm_engine_check.check_verdicts(json.load(open(tmp_path / "digest.json")), rollout.DTYPES[dtype],
+                                     head_unsent_held=False)
 
 
 @real_vllm
