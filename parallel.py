@@ -146,7 +146,7 @@ def refuse_used_out(out, held, ways):
 def refuse_restarts_on_the_agents_store():
     """torchrun --max-restarts N: torch 2.13's agent keeps one store for every attempt (its static rendezvous
     always; its c10d one unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and a restarted rank can read the last
-    attempt's addresses there. On gloo, 6 of 10 restarts of tests/test_trainer.py's SIGKILL run hung or failed
+    attempt's addresses there. On gloo, 6 of 10 restarts of tests/test_resume.py's SIGKILL run hung or failed
     at their start; with the variable set, each attempt gets a store of its own, and 10 of 10 passed."""
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":

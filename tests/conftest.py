@@ -4,6 +4,7 @@ import sys
 import tempfile
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -54,6 +55,15 @@ def tiny_vllm(tmp_path_factory):
 def tiny_vllm_tied(tmp_path_factory):
     """Its input embedding is its LM head, as in Qwen3-0.6B, 1.7B and 4B."""
     return warm_start(tmp_path_factory, "tiny_vllm_tied", hidden=128, tied=True)
+
+
+@pytest.fixture
+def one_thread():
+    """In-process runs on one thread, as the subprocess runs (OMP_NUM_THREADS=1): the same float order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(items):

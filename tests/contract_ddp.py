@@ -68,6 +68,6 @@ if __name__ == "__main__":
     if rank == 0:
         torch.save(grads, sys.argv[1])
     dist.barrier()  # every rank's work is done
-    # No teardown: in CI, this script's and test_trainer.py's TWO_RANK_WEIGHTS's rank 1 each once aborted at
+    # No teardown: in CI, this script's and test_distributed.py's TWO_RANK_WEIGHTS's rank 1 each once aborted at
     # their end ("terminate called without an active exception"), the group's teardown the likely place.
     os._exit(0)

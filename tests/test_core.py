@@ -581,22 +581,14 @@ def test_stapo_loss_never_waits_on_the_device(num_tokens):
     """No call reads a tensor back to the host (.item(), float(), int(), bool() of a tensor: each is one
     aten._local_scalar_dense or is_nonzero, a device-to-host copy and a sync on a GPU), with num_tokens None, a
     Python number or a 0-dim tensor (an all-reduced count, as the contract's recipe gives it: float or
-    integer), and the statistics come back as tensors. Breaks with the old float()/int() statistics,
+    integer), and the statistics come back as tensors. Breaks with float()/int() statistics,
     float(keep.sum()), or a tensor count compared on the host (`num_tokens > 0` in an if)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Reads(TorchDispatchMode):
-        seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
-                self.seen.append(func)
-            return func(*args, **(kwargs or {}))
+    from support import HostReads
     logp, old, adv, valid = _loss_case()
-    with Reads():
+    with HostReads() as reads:
         loss, stats = stapo_loss(logp, old, adv, valid, num_tokens)
         loss.backward()
-    assert Reads.seen == [] and all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in stats.values())
+    assert reads.seen == [] and all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in stats.values())
     assert int(stats["kept"]) == int(valid.sum())
 
 

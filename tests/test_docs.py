@@ -13,6 +13,8 @@ import tokenize
 
 import pytest
 
+pytestmark = pytest.mark.docs  # the docs against the code: pytest -m "not docs" leaves them out
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINK = re.compile(r"\[`([^`]+)`\]\(((?:\.\./)?[a-z_]+\.py)\)")  # [`a line of code`](../file.py)
 PAGE = re.compile(r"\]\(((?!https?:|#)[^)\s]+)\)")  # a markdown link to a file of this repository
@@ -58,8 +60,7 @@ def api_table():
 def test_the_readme_api_table_is_the_codes_signatures():
     """Every row of the README's API table gives its function's parameters, in order, with the defaults the
     code has: a changed default, a renamed, dropped or reordered parameter fails here (the drift test above
-    resolves names only). Broke before: head.token_logprobs_and_entropy's chunk_size (None in the README,
-    128 in the code)."""
+    resolves names only): e.g. a default of None in the README where the code has 128."""
     import importlib
     rows = api_table()
     assert len(rows) >= 7 and {n for _, n, _ in rows} >= {"stapo_loss", "s2t_mask", "token_logprobs_and_entropy"}

@@ -38,8 +38,8 @@ def test_sleep_on_cuda_releases_the_weights_and_the_next_call_restores_them(tiny
     """stapo.py's order (generate, sleep, load_weights, logprobs_of) and eval.py's (generate, sleep, then a
     judge in another process): asleep, the engine holds no weight on its device, and torch's cache is emptied
     after they left; generate, load_weights and logprobs_of each wake it, with the same numbers as an engine
-    that never slept. Broke before: sleep did nothing, so eval.py --engine hf --judge kept the policy on the
-    GPU."""
+    that never slept. Breaks with a sleep that does nothing (eval.py --engine hf --judge would keep the
+    policy on the GPU beside its judge)."""
     awake, engine = engine_of(tiny), engine_of(tiny)
     before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
     assert sleep_as_on_cuda(engine, monkeypatch) == [True]
@@ -76,7 +76,7 @@ def test_in_training_sleep_on_cuda_drops_the_weights_and_the_sync_makes_them_ane
     """stapo.py's engine (make_engine's, for training) asleep on CUDA: no weight left on the device and none
     copied to host memory (every step's sync rewrites them all); the sync makes each anew from what it pushes,
     after which the engine samples and scores as one that never slept, synced alike. Woken with no sync, it
-    says so. Breaks with the former sleep, which copied the model to host memory and back every step."""
+    says so. Breaks with a sleep that copies the model to host memory and back every step."""
     d, tok = tiny
     engine = rollout.make_engine("hf", str(d / "model"), tok, torch.device("cpu"), 64, 0.5, for_training=True)
     awake = engine_of(tiny)

@@ -221,7 +221,7 @@ def test_bad_arguments(tmp_path, capsys):
     """Each bad argument is refused by the parser, before any work: one line on stderr naming it, exit code 2.
     A real process for one of them (the exit code and the one line are the program's, not only main()'s);
     the others through eval.main in this process, where the same parser refuses them the same way."""
-    # a missing judge template: refused before any sampling (it was read in the judges, a traceback at the end)
+    # a missing judge template: refused before any sampling (not read first in the judges, after it)
     r = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--model", str(tmp_path), "--judge",
                         str(tmp_path), "--judge-prompt", str(tmp_path / "judge.txt")], capture_output=True, text=True,
                        cwd=ROOT)
@@ -443,8 +443,8 @@ def test_the_judge_on_gpus_that_allow_one_cuda_context(tiny, tmp_path):
     with the HF engine on the CPU. eval.py --judge refuses before it generates, naming the mode and both ways
     out; eval.py without --judge, then --judge-only, judges every rejected sample, from a parent that never made
     a CUDA context. (The default mode, where --judge is one command, its sampler's context beside its judge's:
-    test_end_to_end_on_the_toy_model_and_compare's run b.) Broke before: the eval rank kept its context
-    (set_device), and every judge's process failed as busy."""
+    test_end_to_end_on_the_toy_model_and_compare's run b.) Breaks if the eval rank keeps its context
+    (set_device): every judge's process would fail as busy."""
     model, data = str(tiny[0] / "model"), tmp_path / "data"
     data.mkdir()
     (data / "math500.jsonl").write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i} + 1?",
@@ -508,7 +508,7 @@ DEX = ("Default", "Exclusive_Process")  # GPU 0 shared, GPU 1 exclusive
 
 @pytest.mark.parametrize("visible,local,verdict", [
     ("1", 0, ("exclusive", "1")), ("0", 0, ("ok", None)),
-    ("0,1", 0, ("ok", None)), ("0,1", 1, ("exclusive", "1")),  # broke: every visible GPU was checked
+    ("0,1", 0, ("ok", None)), ("0,1", 1, ("exclusive", "1")),  # only this rank's GPU counts
     ("1,0", 1, ("ok", None)),
     (None, 0, ("ok", None)), (None, 1, ("exclusive", "1")),    # unset: every GPU visible; this rank's counts
     ("0,-1,1", 1, ("ok", None)), ("0,x,1", 1, ("ok", None)),  # an invalid entry ends the list: GPU 1 unseen
@@ -532,8 +532,8 @@ def test_the_judge_checks_this_ranks_gpu_by_uuid(smi, visible, verdict):
 @pytest.mark.parametrize("visible", [MIG, MIG[:12], f"MIG-{UUIDS[1]}/1/0"])
 def test_a_mig_device_is_checked_by_its_gpus_compute_mode(smi, visible):
     """A MIG device (its UUID, a prefix of it, or the older MIG-GPU-<uuid>/<gi>/<ci>) has its GPU's compute
-    mode, which nvidia-smi's --query-gpu reports (MIG devices are no rows of it). Broke: nvidia-smi -i MIG-...
-    named no device, and the check let the run through."""
+    mode, which nvidia-smi's --query-gpu reports (MIG devices are no rows of it). Breaks if the device is
+    asked for by its MIG id (nvidia-smi -i MIG-... names no device, and the check would let the run through)."""
     smi(node(*DEX, migs=[MIG]), visible)
     assert ev.gpu_mode(0) == ("exclusive", "1")
     smi(node("Exclusive_Process", "Default", migs=[MIG]), visible)
@@ -543,8 +543,8 @@ def test_a_mig_device_is_checked_by_its_gpus_compute_mode(smi, visible):
 def test_an_index_among_unlike_gpus_in_cudas_default_order_is_said_to_be_unknown(smi, monkeypatch):
     """CUDA numbers GPUs fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID; nvidia-smi in PCI bus order. On
     unlike GPUs whose modes differ an index cannot be placed: "unknown", naming the exclusive ones, unless
-    the order is PCI's, a UUID names the GPU, or every candidate agrees. Broke: nvidia-smi's index was taken
-    for CUDA's, so the wrong GPU could be checked."""
+    the order is PCI's, a UUID names the GPU, or every candidate agrees. Breaks if nvidia-smi's index is
+    taken for CUDA's (the wrong GPU checked)."""
     names = (H100, "NVIDIA A100-SXM4-80GB", H100)
     for visible in (None, "0", "1,0"):
         smi(node(*DEX, "Default", names=names), visible)
@@ -566,7 +566,7 @@ def test_an_index_among_unlike_gpus_in_cudas_default_order_is_said_to_be_unknown
 def test_exclusive_gpus_with_an_mps_daemon_go_ahead_saying_so(smi, monkeypatch, tmp_path, capsys, pipe):
     """EXCLUSIVE_PROCESS with an MPS control daemon (its control pipe in CUDA_MPS_PIPE_DIRECTORY, else in
     /tmp/nvidia-mps): MPS clients share its server's context, so the judge's process can start; the run goes
-    ahead, with one line that says so. Broke: refused."""
+    ahead, with one line that says so. Breaks if the run is refused."""
     where = tmp_path / "mps"
     where.mkdir()
     (where / "control").touch()

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 
-from test_trainer import args_for, assert_same_metrics, assert_same_params, load_params, metrics_of
+from support import args_for, assert_same_metrics, assert_same_params, load_params, metrics_of
 
 import stapo
 
@@ -96,8 +96,8 @@ def test_separate_out_folders_fail_at_once_on_every_rank(tiny, tmp_path):
     """Node-local disks: each node's --out is its own folder. Every rank stops at the start, before any
     training, with exit code 2 and no traceback (a user's error), rank 0 saying why in one line; none waits for
     a collective that will never come. The property is where they stop (no step logged), not how long it took:
-    a rank left waiting is caught by nodes()'s timeout, a hang guard. Broke before: a RuntimeError's
-    traceback on every rank."""
+    a rank left waiting is caught by nodes()'s timeout, a hang guard. Breaks with a traceback on every
+    rank (a RuntimeError where a UserError belongs)."""
     d, _ = tiny
     results = nodes(lambda r: args_for(d, tmp_path / f"node{r}", "--steps", "2", "--save-every", "1"), per_node=1,
                     timeout=300)

@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("trl", reason="TRL is not installed (pip install -r requirements-dev.txt)")
 import trl_check  # noqa: E402
+from support import host_reads  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 from trl_stapo import STAPOTrainer  # noqa: E402
@@ -58,22 +59,6 @@ def loss_and_grads(loss_fn, trainer, batch):
     return loss.detach(), [p.grad.clone() for p in trainer.model.parameters()]
 
 
-def host_reads(fn, *args):
-    """fn(*args) and the aten calls in it that read a tensor back to the host (.item(), float(), bool())."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Reads(TorchDispatchMode):
-        seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in ("_local_scalar_dense", "is_nonzero"):
-                self.seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-    with Reads():
-        out = fn(*args)
-    return out, len(Reads.seen)
-
-
 def test_the_statistics_are_read_once_per_log_not_per_micro_batch(folder):
     """The subclass keeps the loss's statistics, S2T's silenced fraction and tau_h as 0-dim tensors, and reads
     them all at once when TRL logs: the host reads of a micro-batch's loss are only those of TRL's own forward
@@ -81,11 +66,11 @@ def test_the_statistics_are_read_once_per_log_not_per_micro_batch(folder):
     statistic's mean over the micro-batches since the last log. Breaks with a float(stats[...]) per
     micro-batch, as the example had."""
     trainer, batch = one_batch(folder, tau_p=0.5)
-    _, forward = host_reads(trainer._logps_and_entropies, trainer.model, batch)
-    _, gather = host_reads(trainer._gather_cat, torch.ones(3))
+    _, forward = host_reads(trainer._logps_and_entropies, trainer.model, batch, data_sized=False)
+    _, gather = host_reads(trainer._gather_cat, torch.ones(3), data_sized=False)
     kept = []
     for _ in range(3):
-        _, reads = host_reads(STAPOTrainer._compute_loss, trainer, trainer.model, batch)
+        _, reads = host_reads(STAPOTrainer._compute_loss, trainer, trainer.model, batch, data_sized=False)
         assert reads == forward + gather, (reads, forward, gather)
     stats = trainer._stapo_stats["train"]
     assert set(stats) == {"silenced_frac", "tau_h", "clip_low", "clip_high"}

@@ -1,6 +1,8 @@
 """A user's mistake ends a program in one line naming the flag, file or line, with exit code 2, before the
 policy or the engine is built, and with nothing written; Ctrl-C before a run's first step is one line too."""
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -8,12 +10,7 @@ import pytest
 import eval as ev
 import parallel
 import stapo
-
-
-def args_for(d, out, *extra):
-    return ["--model", str(d / "model"), "--dataset", str(d / "train.jsonl"), "--out", str(out),
-            "--prompts-per-step", "4", "--group-size", "4", "--minibatches", "2", "--max-prompt-len", "64",
-            "--max-response-len", "6", "--save-every", "0", *extra]
+from support import ROOT, args_for
 
 
 def run_main(main, capsys):
@@ -114,3 +111,37 @@ def test_eval_refuses_a_bad_flag_in_one_line_before_any_model_is_read(tiny, caps
     monkeypatch.setattr(ev, "make_engine", built)
     code, lines = run_main(lambda: ev.main(["--model", str(tiny[0] / "model"), *flags]), capsys)
     assert code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+@pytest.mark.slow
+def test_a_users_error_is_one_line_and_exit_code_2(tiny, tmp_path, capsys):
+    """A wrong flag value, a missing model folder, a malformed dataset line and a used --out each end the run with
+    one line naming the flag, file or line, exit code 2 and no traceback; under torchrun rank 0 alone prints it
+    (torchrun's own report of the failed workers follows). The single-process cases run through stapo.py's own
+    main (parallel.run_program over train) in this process; the torchrun case is real processes. Breaks with a
+    traceback before the message (an exception left to Python), a message from every rank, or another exit
+    code."""
+    d, _ = tiny
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "What is 1 + 1?", "answer": "2"}\nnot json\n')
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "metrics.jsonl").write_text('{"step": 3}\n')
+    cases = {"--prompts-per-step 4 must split evenly into --minibatches 3": ["--minibatches", "3"],
+             "--model /nonexistent/model: no such folder": ["--model", "/nonexistent/model"],
+             f"{bad}:2: not valid JSON": ["--dataset", str(bad)],
+             f"--out {used} already holds a run: metrics.jsonl logged to step 3": ["--out", str(used)],
+             "argument --lr: invalid float value: 'fast'": ["--lr", "fast"]}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for message, flags in cases.items():
+        argv = args_for(d, tmp_path / "out", *flags)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            parallel.run_program(lambda: stapo.train(stapo.get_args(argv)))  # stapo.py's __main__
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert stop.value.code == 2 and len(lines) == 1 and message in lines[0], (message, stop.value.code, lines)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        os.path.join(ROOT, "stapo.py"), *args_for(d, tmp_path / "out2", "--dataset", str(bad))],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert r.returncode != 0 and r.stderr.count(f"{bad}:2: not valid JSON") == 1, r.stderr[-3000:]
+    assert "stapo.py\", line" not in r.stderr and "exitcode  : 2" in r.stderr  # no trace of ours; torchrun's report

@@ -71,8 +71,8 @@ def test_real_engine_sync_seeds_and_self_check(tiny_vllm, tmp_path):
                                      head_unsent_held=False)
     # closed during an error mid-step, its wake out of memory: vLLM's real shutdown ran all the same (the
     # engine core's finalizer detached, the process group gone), and the error mid-step is the one that
-    # propagated, untouched; the failed wake is one warning line. Broke before: the out-of-memory replaced
-    # it, and there was no shutdown
+    # propagated, untouched; the failed wake is one warning line (breaks if the out-of-memory replaces the
+    # error, or the shutdown is skipped)
     assert loaded["close"] == {"raised": "ValueError: an error mid-step", "context": "None",
                                "engine_core_alive": False, "group_alive": False, "engine_dropped": True}
     warned = [x for x in closed.stderr.splitlines() if "rollout: warning: closing the vLLM engine" in x]
@@ -148,8 +148,8 @@ def test_the_gpu_smoke_test_runs_on_cpu(tiny_vllm_tied, tmp_path):
     in a process); every rejected sample gets a verdict, from processes that are not the samplers'. Every
     process closes its vLLM engine once, after its last barrier (vLLM's shutdown destroys the process group: it
     is still alive then), before the interpreter's teardown (tests/close_spy prints each close): stapo.py on 1
-    rank and on 2, eval.py's 2 ranks and their 2 judge processes. Broke before: the engines had no close(),
-    vLLM's finalizer shut them down at the interpreter's exit."""
+    rank and on 2, eval.py's 2 ranks and their 2 judge processes. Breaks if an engine is left to vLLM's
+    finalizer at the interpreter's exit."""
     d, _ = tiny_vllm_tied
     (tmp_path / "judge.txt").write_text("Q:{question} G:{gold_answer} R:{llm_response} V:")  # a 256-token context
     smoke = tmp_path / "smoke"
@@ -311,8 +311,8 @@ def test_a_wake_that_fails_at_close_still_shuts_down(tiny, fake_vllm, monkeypatc
     """close() on a sleeping engine whose wake runs out of memory (an error mid-step, the trainer's tensors
     still held): vLLM's shutdown runs all the same, after the wake was tried. During another error (`closing`,
     as stapo.py closes it) that error propagates untouched and the failed wake is one warning line; on a
-    normal exit the wake's error is raised, after the shutdown. A second close does nothing. Broke before: the
-    wake's out-of-memory replaced the error mid-step, and the engine was never shut down."""
+    normal exit the wake's error is raised, after the shutdown. A second close does nothing. Breaks if the
+    wake's out-of-memory replaces the error mid-step, or the engine is never shut down."""
     d, _ = tiny
     engine = rollout.VLLMEngine(str(d / "model"), 70, 0.55)  # a training engine: asleep
     monkeypatch.setattr(fake_vllm, "WAKE_FAILS", RuntimeError("CUDA Error: out of memory"))
