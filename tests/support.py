@@ -193,3 +193,14 @@ def host_reads(fn, *args, data_sized=True):
     with HostReads(data_sized) as reads:
         out = fn(*args)
     return out, len(reads.seen)
+
+
+def load_script(path):
+    """A script of the repository (benchmarks/x.py, examples/y.py) imported as a module, by its path from the
+    root: its functions to call, its __main__ block not run."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0],
+                                                  os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

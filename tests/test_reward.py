@@ -1,6 +1,5 @@
 """reward.py: equivalence (true and false), public grader cases, DAPO's reward, hostile input, timeouts, fuzz."""
 import collections
-import importlib.util
 import json
 import os
 import re
@@ -14,6 +13,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import reward
 from reward import dapo_score, extract_answer, extract_boxed, is_equivalent, score, score_all
+from support import load_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -171,18 +171,11 @@ def test_relative_tolerance_both_sides():
     assert not is_equivalent("1000001", "1000000")  # integers are exact, whatever the tolerance
 
 
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, "..", path))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_public_graders_own_cases():
     """Every answer-level case of the public graders' test suites (tests/data/public_grader_cases.jsonl, as
     benchmarks/public_graders.py runs them for the README): our verdict is the source's, except in the
     cases whose `reason` says why we deliberately differ."""
-    suite = _load("public_graders", "benchmarks/public_graders.py")
+    suite = load_script("benchmarks/public_graders.py")
     cases = suite.load()
     assert len(cases) >= 300 and len({c["source"].split("@")[0] for c in cases}) >= 5
     assert {c["class"] for c in cases} == set(suite.CLASSES)
@@ -342,7 +335,7 @@ def test_score_all_takes_either_reward():
 def test_dapo_and_the_checker_disagree_on_the_public_responses():
     """The public graders' whole responses against their answer golds (93): the two rewards' verdicts, as
     measured, with each gold as a dataset stores it (Math-Verify's `$..$` off), and as written."""
-    suite = _load("public_graders", "benchmarks/public_graders.py")
+    suite = load_script("benchmarks/public_graders.py")
     cases = [c for c in suite.load() if c["pred_kind"] == "text" and c["gold_kind"] == "answer"]
     pairs, raw = collections.Counter(), 0
     for c in cases:
@@ -630,7 +623,7 @@ BENCH = os.path.join(HERE, "..", "..", "shared", "data", "benchmarks")
 def test_the_corpus_built_from_the_benchmark_golds():
     """Every 4th gold of the six benchmarks, with its renderings (right) and near misses (wrong), as
     benchmarks/reward.py builds them for the README's agreement figure."""
-    corpus = _load("corpus", "benchmarks/reward.py")
+    corpus = load_script("benchmarks/reward.py")
     golds = corpus.load_golds(BENCH)[::4]
     pairs = [(True, p, g) for _, g in golds for _, p in corpus.renderings(g)]
     pairs += [(False, p, g) for _, g in golds for _, p in corpus.near_misses(g)]
