@@ -7,8 +7,11 @@ when asked (collision=True, as stapo.py --analysis asks), one more sum, sum pi^2
 [chunk, V] fp32 logits. This script times, in one process, (1) the forward without it (the trainer's
 default), (2) the forward with it, and (3) the bookkeeping of one mini-batch (analysis.TokenAnalysis.sums:
 each token's gradient norms and entropy change, summed into the groups and shares, added up as
-metrics.StepMetrics adds them); each the median of 3 after a warm-up.
+metrics.StepMetrics adds them); each the median of 3 after a warm-up. It prints one JSON line of the figures,
+then them in words; all of it also goes to a results file (--results: record.py).
 """
+import argparse
+import json
 import os
 import statistics
 import sys
@@ -17,12 +20,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # record.py
 import analysis  # noqa: E402
 import head  # noqa: E402
 import metrics  # noqa: E402
 import parallel  # noqa: E402
 import policy  # noqa: E402
 import stapo  # noqa: E402
+import record  # noqa: E402
 
 
 def timed(fn, repeats=3):
@@ -35,7 +40,15 @@ def timed(fn, repeats=3):
     return statistics.median(seconds)
 
 
-def main():
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    record.add_flag(p)
+    a = p.parse_args(argv)
+    with record.kept(a.results, "analysis_overhead"):
+        measure()
+
+
+def measure():
     torch.manual_seed(0)
     m, d, v = 8 * 1024, 256, 151936
     hidden, weight = torch.randn(m, d), torch.randn(v, d) * d ** -0.5
@@ -54,12 +67,14 @@ def main():
     now, old_logp = policy.TokenStats(logp, entropy, collision), logp  # ratio 1: before the first update
     book = timed(lambda: metrics.accumulate(dict.fromkeys(analysis.KEYS, 0.0), view.sums(
         now, old_logp, adv, valid, keep, float(keep.sum()), s2t, valid.float())))
+    print(json.dumps({"tokens": m, "vocab": v, "hidden": d, "dtype": "float32", "threads": torch.get_num_threads(),
+                      "head_forward_s": round(without, 4), "head_forward_with_collision_s": round(full, 4),
+                      "collision_over_forward": round(full / without - 1, 4), "bookkeeping_ms": round(book * 1e3, 2)}))
     print(f"{m} tokens, vocabulary {v}, hidden {d}, fp32, {torch.get_num_threads()} threads")
     print(f"head forward: {without:.2f} s; with the analysis's sum pi^2: {full:.2f} s "
           f"(the analysis: +{100 * (full / without - 1):.1f}% of the forward)")
     print(f"the analysis's bookkeeping of the batch: {book * 1000:.1f} ms")
     torch.distributed.destroy_process_group()
-
 
 if __name__ == "__main__":
     main()

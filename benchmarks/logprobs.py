@@ -14,7 +14,9 @@ vocabulary entries, a Triton kernel on CUDA and torch ops elsewhere, log p and t
 trl package, none of TRL's other dependencies). The timed pass follows one warm-up pass, which also compiles.
 
 Each method runs in its own child process, so one cannot hide the other's peak; its JSON line prints as it
-ends, and one that fails gets a row saying why. On CPU the peak is the resident set's high-water mark
+ends ({"variant": ..., "seconds": ..., "peak_gb": ...}), and one that fails gets a JSON line and a row saying why
+({"variant": ..., "error": ...}). The ratios below the table are of this one run (each variant's one timed pass).
+All of it also goes to a results file (--results: record.py). On CPU the peak is the resident set's high-water mark
 (VmHWM, reset before the timed pass); on GPU, max_memory_allocated. Memory is reported above what the
 inputs (hidden states, lm_head weight, tokens) already hold.
 """
@@ -23,6 +25,7 @@ import argparse, json, os, subprocess, sys, time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # record.py
 import head  # noqa: E402
 from head import token_logprobs_and_entropy  # noqa: E402
 
@@ -94,7 +97,7 @@ def run_one(a):
                       "name": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}))
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=4, help="sequences")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
@@ -103,23 +106,26 @@ def main():
     p.add_argument("--chunk", type=int, help="the chunked head's rows per chunk (default: the head's choice)")
     p.add_argument("--variants", default="naive,chunked", help="rows: naive, chunked, eager, chunk128, trl")
     p.add_argument("--method", choices=VARIANTS, help=argparse.SUPPRESS)
-    a = p.parse_args()
+    import record
+    record.add_flag(p)
+    a = p.parse_args(argv)
     if a.method:
         return run_one(a)
-    res, failed = {}, {}
-    for method in a.variants.split(","):
-        env = {**os.environ, **({"STAPO_HEAD_COMPILE": "0"} if method == "eager" else {})}
-        r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--method", method],
-                           capture_output=True, text=True, env=env)
-        if r.returncode:  # its row says why (an OOM, TRL's kernel on this device); the other rows still print
-            failed[method] = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1][:200]
-            print(f"{method}: failed: {failed[method]}", file=sys.stderr)
-            continue
-        res[method] = json.loads(r.stdout.strip().splitlines()[-1])
-        print(json.dumps({"variant": method, **res[method]}), flush=True)  # kept if a time cap cuts the rest
-    if not res:
-        sys.exit("logprobs.py: every variant failed")
-    print_table(a, res, failed)
+    with record.kept(a.results, "logprobs"):
+        res, failed = {}, {}
+        for method in a.variants.split(","):
+            env = {**os.environ, **({"STAPO_HEAD_COMPILE": "0"} if method == "eager" else {})}
+            argv_child = list(sys.argv[1:] if argv is None else argv) + ["--method", method, "--results", "none"]
+            r = subprocess.run([sys.executable, __file__, *argv_child], capture_output=True, text=True, env=env)
+            if r.returncode:  # its row says why (an OOM, TRL's kernel on this device); the other rows still print
+                failed[method] = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1][:200]
+                print(json.dumps({"variant": method, "error": failed[method]}), flush=True)
+                continue
+            res[method] = json.loads(r.stdout.strip().splitlines()[-1])
+            print(json.dumps({"variant": method, **res[method]}), flush=True)  # kept if a time cap cuts the rest
+        if not res:
+            sys.exit("logprobs.py: every variant failed")
+        print_table(a, res, failed)
 
 
 def ratio(x, y, digits):

@@ -22,6 +22,7 @@ from importlib.metadata import version
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # record.py
 from reward import extract_answer, is_equivalent  # noqa: E402
 
 CASES = os.path.join(HERE, "tests", "data", "public_grader_cases.jsonl")
@@ -75,42 +76,45 @@ def timed(check, cases):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--show-misses", action="store_true", help="print every case a checker gets wrong")
+    import record
+    record.add_flag(p)
     a = p.parse_args()
-    cases = load()
-    checkers = {"stapo": stapo}
-    mv = math_verify_checker()
-    if mv:
-        checkers["Math-Verify"] = mv
-    is_equivalent("x+1", "x+1.5")  # start the sympy worker outside the timing
-    results = {name: timed(check, cases) for name, check in checkers.items()}
-    sources = collections.Counter(c["source"].split("@")[0] for c in cases)
-    print(f"{len(cases)} cases from " + ", ".join(f"{s} ({n})" for s, n in sources.most_common()))
-    print("stapo: extract_answer on a response, then is_equivalent(pred, gold), timeout 5 s, REL_TOL 1e-4"
-          + (f"; Math-Verify {version('math-verify')}: each case as its source runs it (see the docstring)"
-             if mv else "") + "; one process, one checker after the other\n")
-    print("| class | cases | " + " | ".join(f"{n} agrees" for n in results) + " |")
-    print("|---|---|" + "---|" * len(results))
-    for cls in CLASSES:
-        idx = [i for i, c in enumerate(cases) if c["class"] == cls]
-        cells = [f"{sum(v[i] == bool(cases[i]['verdict']) for i in idx)}" for v, _ in results.values()]
-        print(f"| {cls} | {len(idx)} | " + " | ".join(cells) + " |")
-    for label, key in (("**all**", "verdict"), ("all, against the sources' own verdicts", "source_verdict")):
-        agree = [sum(v[i] == bool(c[key]) for i, c in enumerate(cases)) for v, _ in results.values()]
-        cells = [f"{n} ({100 * n / len(cases):.1f}%)" for n in agree]
-        print(f"| {label} | {len(cases)} | " + " | ".join(cells) + " |")
-    print("\n| checker | cases/s |\n|---|---|")
-    for name, (_, speed) in results.items():
-        print(f"| {name} | {speed:,.0f} |")
-    differ = [c for c in cases if c["verdict"] != c["source_verdict"]]
-    print(f"\n{len(differ)} cases where our verdict differs from the source's, deliberately:")
-    for c in differ:
-        print(f"    #{c['id']} [{c['class']}] {c['source'].split(' ')[0]}: {c['reason']}")
-    for name, (v, _) in results.items():
-        wrong = [c for i, c in enumerate(cases) if v[i] != bool(c["verdict"])]
-        print(f"\n{name}: {len(wrong)} cases judged against `verdict`")
-        for c in wrong if a.show_misses else []:
-            short = [s if len(s) < 100 else s[:45] + " ... " + s[-45:] for s in (c["gold"], c["pred"])]
-            print(f"    #{c['id']} [{c['class']}] verdict={c['verdict']} gold={short[0]!r} pred={short[1]!r}")
+    with record.kept(a.results, "public_graders"):
+        cases = load()
+        checkers = {"stapo": stapo}
+        mv = math_verify_checker()
+        if mv:
+            checkers["Math-Verify"] = mv
+        is_equivalent("x+1", "x+1.5")  # start the sympy worker outside the timing
+        results = {name: timed(check, cases) for name, check in checkers.items()}
+        sources = collections.Counter(c["source"].split("@")[0] for c in cases)
+        print(f"{len(cases)} cases from " + ", ".join(f"{s} ({n})" for s, n in sources.most_common()))
+        print("stapo: extract_answer on a response, then is_equivalent(pred, gold), timeout 5 s, REL_TOL 1e-4"
+              + (f"; Math-Verify {version('math-verify')}: each case as its source runs it (see the docstring)"
+                 if mv else "") + "; one process, one checker after the other\n")
+        print("| class | cases | " + " | ".join(f"{n} agrees" for n in results) + " |")
+        print("|---|---|" + "---|" * len(results))
+        for cls in CLASSES:
+            idx = [i for i, c in enumerate(cases) if c["class"] == cls]
+            cells = [f"{sum(v[i] == bool(cases[i]['verdict']) for i in idx)}" for v, _ in results.values()]
+            print(f"| {cls} | {len(idx)} | " + " | ".join(cells) + " |")
+        for label, key in (("**all**", "verdict"), ("all, against the sources' own verdicts", "source_verdict")):
+            agree = [sum(v[i] == bool(c[key]) for i, c in enumerate(cases)) for v, _ in results.values()]
+            cells = [f"{n} ({100 * n / len(cases):.1f}%)" for n in agree]
+            print(f"| {label} | {len(cases)} | " + " | ".join(cells) + " |")
+        print("\n| checker | cases/s |\n|---|---|")
+        for name, (_, speed) in results.items():
+            print(f"| {name} | {speed:,.0f} |")
+        differ = [c for c in cases if c["verdict"] != c["source_verdict"]]
+        print(f"\n{len(differ)} cases where our verdict differs from the source's, deliberately:")
+        for c in differ:
+            print(f"    #{c['id']} [{c['class']}] {c['source'].split(' ')[0]}: {c['reason']}")
+        for name, (v, _) in results.items():
+            wrong = [c for i, c in enumerate(cases) if v[i] != bool(c["verdict"])]
+            print(f"\n{name}: {len(wrong)} cases judged against `verdict`")
+            for c in wrong if a.show_misses else []:
+                short = [s if len(s) < 100 else s[:45] + " ... " + s[-45:] for s in (c["gold"], c["pred"])]
+                print(f"    #{c['id']} [{c['class']}] verdict={c['verdict']} gold={short[0]!r} pred={short[1]!r}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ agreement with the labels per rule, answers per second for both, and the pairs w
 import argparse, collections, json, os, re, sys, time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # record.py
 from reward import _split_top, is_equivalent, normalize, number  # noqa: E402
 
 NAMES = ["aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench"]
@@ -125,41 +126,45 @@ def main():
     p.add_argument("--data", default=os.path.join(here, "..", "shared", "data", "benchmarks"),
                    help="the benchmarks' .jsonl files")
     p.add_argument("--show-misses", action="store_true", help="print every pair a checker gets wrong")
+    import record
+    record.add_flag(p)
     a = p.parse_args()
-    golds = load_golds(a.data)
-    corpus = [(True, rule, name, g, pred) for name, g in golds for rule, pred in renderings(g)]
-    corpus += [(False, rule, name, g, pred) for name, g in golds for rule, pred in near_misses(g)]
-    checkers = {"stapo": lambda pred, gold: is_equivalent(pred, gold)}
-    mv = math_verify_checker()
-    if mv:
-        checkers["Math-Verify"] = mv
-    is_equivalent("x+1", "x+1.5")  # start the sympy worker outside the timing
-    results = {name: timed(check, corpus) for name, check in checkers.items()}
-    print(f"{len(corpus)} pairs from {len(golds)} golds of {len(NAMES)} benchmarks "
-          f"({sum(c[0] for c in corpus)} renderings, {sum(not c[0] for c in corpus)} near misses)")
-    print(settings(mv) + "\n")
-    print("| kind | rule | pairs | " + " | ".join(f"{n} agrees" for n in results) + " |")
-    print("|---|---|---|" + "---|" * len(results))
-    groups = collections.defaultdict(list)
-    for i, c in enumerate(corpus):
-        groups[(c[0], c[1])].append(i)
-    for want in (True, False):
-        for (w, rule), idx in groups.items():
-            if w == want:
-                cells = [f"{sum(v[i] == want for i in idx)}" for v, _ in results.values()]
-                print(f"| {'rendering' if want else 'near miss'} | {rule} | {len(idx)} | " + " | ".join(cells) + " |")
-    cells = [f"**{100 * sum(v[i] == c[0] for i, c in enumerate(corpus)) / len(corpus):.2f}%**"
-             for v, _ in results.values()]
-    print(f"| **all** | | **{len(corpus)}** | " + " | ".join(cells) + " |")
-    print("\n| checker | answers/s |\n|---|---|")
-    for name, (_, speed) in results.items():
-        print(f"| {name} | {speed:,.0f} |")
-    if a.show_misses or mv:
-        for name, (v, _) in results.items():
-            wrong = [c for i, c in enumerate(corpus) if v[i] != c[0]]
-            print(f"\n{name}: {len(wrong)} pairs judged against the label")
-            for want, rule, bench, g, pred in wrong if a.show_misses else []:
-                print(f"    [{rule}] {bench} gold={g!r} pred={pred!r} want={want}")
+    with record.kept(a.results, "reward"):
+        golds = load_golds(a.data)
+        corpus = [(True, rule, name, g, pred) for name, g in golds for rule, pred in renderings(g)]
+        corpus += [(False, rule, name, g, pred) for name, g in golds for rule, pred in near_misses(g)]
+        checkers = {"stapo": lambda pred, gold: is_equivalent(pred, gold)}
+        mv = math_verify_checker()
+        if mv:
+            checkers["Math-Verify"] = mv
+        is_equivalent("x+1", "x+1.5")  # start the sympy worker outside the timing
+        results = {name: timed(check, corpus) for name, check in checkers.items()}
+        print(f"{len(corpus)} pairs from {len(golds)} golds of {len(NAMES)} benchmarks "
+              f"({sum(c[0] for c in corpus)} renderings, {sum(not c[0] for c in corpus)} near misses)")
+        print(settings(mv) + "\n")
+        print("| kind | rule | pairs | " + " | ".join(f"{n} agrees" for n in results) + " |")
+        print("|---|---|---|" + "---|" * len(results))
+        groups = collections.defaultdict(list)
+        for i, c in enumerate(corpus):
+            groups[(c[0], c[1])].append(i)
+        for want in (True, False):
+            for (w, rule), idx in groups.items():
+                if w == want:
+                    cells = [f"{sum(v[i] == want for i in idx)}" for v, _ in results.values()]
+                    kind = "rendering" if want else "near miss"
+                    print(f"| {kind} | {rule} | {len(idx)} | " + " | ".join(cells) + " |")
+        cells = [f"**{100 * sum(v[i] == c[0] for i, c in enumerate(corpus)) / len(corpus):.2f}%**"
+                 for v, _ in results.values()]
+        print(f"| **all** | | **{len(corpus)}** | " + " | ".join(cells) + " |")
+        print("\n| checker | answers/s |\n|---|---|")
+        for name, (_, speed) in results.items():
+            print(f"| {name} | {speed:,.0f} |")
+        if a.show_misses or mv:
+            for name, (v, _) in results.items():
+                wrong = [c for i, c in enumerate(corpus) if v[i] != c[0]]
+                print(f"\n{name}: {len(wrong)} pairs judged against the label")
+                for want, rule, bench, g, pred in wrong if a.show_misses else []:
+                    print(f"    [{rule}] {bench} gold={g!r} pred={pred!r} want={want}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import argparse, collections, json, os, sys
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # record.py
 from reward import score_all  # noqa: E402
 
 CASES = os.path.join(HERE, "tests", "data", "public_grader_cases.jsonl")
@@ -34,31 +35,34 @@ def completions(cases):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--show", action="store_true", help="list the cases the two rewards disagree on")
+    import record
+    record.add_flag(p)
     a = p.parse_args(argv)
-    with open(CASES) as f:
-        rows = list(completions(json.loads(line) for line in f if line.strip()))
-    texts, golds = [r[1] for r in rows], [r[2]["gold"] for r in rows]
-    equiv, dapo = score_all(texts, golds, "equiv"), score_all(texts, golds, "dapo")
-    table = collections.defaultdict(collections.Counter)
-    for (kind, _, case), e, d in zip(rows, equiv, dapo):
-        for key in (kind, "all"):
-            t = table[key]
-            t["cases"] += 1
-            t[{(1, 1): "both", (1, -1): "equiv only", (-1, 1): "dapo only", (-1, -1): "neither"}[e, d]] += 1
-            t["equiv right"] += (e > 0) == bool(case["verdict"])
-            t["dapo right"] += (d > 0) == bool(case["verdict"])
-    print("| completions | cases | both +1 | equiv only | dapo only | both -1 | disagree | equiv = verdict "
-          "| dapo = verdict |\n|---|---|---|---|---|---|---|---|---|")
-    for kind in ("an answer in a box", "a response with a box", "a response without a box", "all"):
-        t, n = table[kind], table[kind]["cases"]
-        cells = [n, t["both"], t["equiv only"], t["dapo only"], t["neither"],
-                 f"{100 * (t['equiv only'] + t['dapo only']) / n:.1f}%",
-                 f"{100 * t['equiv right'] / n:.1f}%", f"{100 * t['dapo right'] / n:.1f}%"]
-        print(f"| {kind} | " + " | ".join(map(str, cells)) + " |")
-    if a.show:
-        for (kind, text, case), e, d in zip(rows, equiv, dapo):
-            if e != d:
-                print(f"{case['id']} [{kind}] gold {case['gold']!r}: equiv {e:+.0f}, dapo {d:+.0f}: {text[-80:]!r}")
+    with record.kept(a.results, "reward_agreement"):
+        with open(CASES) as f:
+            rows = list(completions(json.loads(line) for line in f if line.strip()))
+        texts, golds = [r[1] for r in rows], [r[2]["gold"] for r in rows]
+        equiv, dapo = score_all(texts, golds, "equiv"), score_all(texts, golds, "dapo")
+        table = collections.defaultdict(collections.Counter)
+        for (kind, _, case), e, d in zip(rows, equiv, dapo):
+            for key in (kind, "all"):
+                t = table[key]
+                t["cases"] += 1
+                t[{(1, 1): "both", (1, -1): "equiv only", (-1, 1): "dapo only", (-1, -1): "neither"}[e, d]] += 1
+                t["equiv right"] += (e > 0) == bool(case["verdict"])
+                t["dapo right"] += (d > 0) == bool(case["verdict"])
+        print("| completions | cases | both +1 | equiv only | dapo only | both -1 | disagree | equiv = verdict "
+              "| dapo = verdict |\n|---|---|---|---|---|---|---|---|---|")
+        for kind in ("an answer in a box", "a response with a box", "a response without a box", "all"):
+            t, n = table[kind], table[kind]["cases"]
+            cells = [n, t["both"], t["equiv only"], t["dapo only"], t["neither"],
+                     f"{100 * (t['equiv only'] + t['dapo only']) / n:.1f}%",
+                     f"{100 * t['equiv right'] / n:.1f}%", f"{100 * t['dapo right'] / n:.1f}%"]
+            print(f"| {kind} | " + " | ".join(map(str, cells)) + " |")
+        if a.show:
+            for (kind, text, case), e, d in zip(rows, equiv, dapo):
+                if e != d:
+                    print(f"{case['id']} [{kind}] gold {case['gold']!r}: equiv {e:+.0f}, dapo {d:+.0f}: {text[-80:]!r}")
 
 
 if __name__ == "__main__":

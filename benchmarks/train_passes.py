@@ -2,7 +2,7 @@
 and the padding of the micro-batches, on one device.
 
     python benchmarks/train_passes.py --shape 1.7b --samples 64 --prompt 256 --response 1024     # one GPU
-    python benchmarks/train_passes.py --shape 1.7b --lengths lognormal --levers fewest_micro_batches
+    python benchmarks/train_passes.py --shape 1.7b --lengths lognormal --levers no_checkpointing,eager_layers
     python benchmarks/train_passes.py --lengths lognormal --padding-only        # the padding alone, no model
     python benchmarks/train_passes.py --shape 1.7b --phases update --reps 1 --profile update  # where it goes
     python benchmarks/train_passes.py --shape 1.7b --phases update,trl_update          # against TRL's update
@@ -11,11 +11,14 @@ and the padding of the micro-batches, on one device.
 The model is a random Qwen3 of the shape (tiny: 2 layers of 64 for the tests; 0.6b, 1.7b, 4b tied; 8b untied;
 V 151,936 but for tiny's 512), saved to a temporary folder and read back by the project's own
 policy.build_policy (FSDP2 on a world of one: fp32 master weights, the compute dtype bf16 on CUDA and fp32 on
-CPU, activation checkpointing, each decoder layer compiled on CUDA), with AdamW, all as stapo.py builds them
-(AdamW fused on CUDA, foreach on CPU). The batch is one mini-batch of --samples rows of random token ids,
-advantages from random +-1 rewards in groups of 8.
+CPU, activation checkpointing), with AdamW, all as stapo.py builds them (AdamW fused on CUDA, foreach on CPU).
+Its decoder layers are compiled as stapo.py's --compile-layers says (--compile-layers: auto compiles them on
+CUDA, layers.should_compile), by layers.compile_layers with --layers-compiler (inductor, as stapo.py; build_policy
+makes the same call last). The batch is one mini-batch of --samples rows of random token ids, advantages from
+random +-1 rewards in groups of 8.
 Phases, each timed after one warm-up run (the median of --reps; the warm-up's time, compiles included, is
-printed as warmup_s):
+printed as warmup_s). The project's phases are timed by the trainer's own clock, metrics.StepMetrics (each
+phase's seconds, the device synchronised at its end; its split, seconds_by_phase, is printed too):
   old_pass       policy.token_stats over the mini-batch, no grad (stapo.py's step 4: the old log p and H)
   update         stapo.update: every micro-batch's forward and backward, the loss, the clip, AdamW's step
   full_logits    the same update, the same model, batch and loss, with the policy's head replaced by full
@@ -47,34 +50,39 @@ for every batch, for both cuts (the trainer's, and the fewest micro-batches that
 Host syncs (CUDA only, null on CPU): the calls of the last timed run that made the host wait for the device,
 counted by torch.cuda.set_sync_debug_mode("warn"): a fixed few per update (the statistics, the norms) and none
 per micro-batch is the aim (tests/test_trainer.py counts the micro-batch loops' on CPU).
+Layers: each line of a phase says how its decoder layers ran (layers: compiled or eager, as Policy.layers says)
+and the layer calls of its timed runs that ran eager (eager_layer_calls: the difference of
+Policy.layers.eager_calls; every call when eager, none when every call ran compiled). A line whose layers are
+compiled but whose calls ran eager (a graph that failed to compile, or dynamo's recompile limit) says so
+(ran_eager_although_compiled, and its table row marks it): it is no figure of compiled layers.
 Levers (--levers, a comma list; a+b applies both): after the base runs, each is turned on alone (this
 process only), the phases other than full_logits run again on the first --lengths, and it is turned off
 again, so each lever is measured against the base on the same model and batch:
   micro_tokens_x2, micro_tokens_x4   2 or 4 x --micro-tokens (fewer, larger micro-batches)
-  fewest_micro_batches    the fewest micro-batches that fit (policy.MICRO_BATCH_COST so high that a
-                    micro-batch outweighs any padding), against the trainer's cut (the fewest tokens computed,
-                    padding and a fixed cost per micro-batch counted): whether the extra micro-batches cost
-                    more than the padding they save
   no_checkpointing  activation checkpointing off (stapo.py --checkpointing off: Policy.layers' checkpointing)
   selective_checkpointing  the matmuls' and attention's outputs kept, the rest recomputed (--checkpointing
                     selective)
   compile_layers    each decoder layer compiled (layers.compile_layers; the base's choice on CUDA, as
                     stapo.py's --compile-layers auto), its compile in the warm-up run
   eager_layers      each decoder layer eager (the base's choice on CPU)
+The trainer's cut against the fewest micro-batches that fit is printed for every batch as arithmetic (the padding
+lines); its time is not measured: stapo.update cuts its micro-batches itself, at policy.MICRO_BATCH_COST.
 Profile (--profile, a comma list of phases): after a phase's timed line, one more run of it under
 torch.profiler: one JSON line (its wall time, which the profiler's own host work lengthens; on CUDA, the
 kernels' summed time and its share of the timed run's seconds, which says whether the device waited on the
 host; that time by kind: attention, matmul, compiled (Triton), optimizer, collectives, copies, other) and the
 profiler's table of the operators with the most time of their own (device time on CUDA, CPU time on CPU), for
 the base and for each lever.
-Every phase prints one JSON line; a table and the ratios (of this one run) close the output.
+Every phase prints one JSON line; a table and the ratios (of this one run) close the output. All of it is
+also written to a results file (--results: record.py).
 """
-import argparse, dataclasses, gc, json, math, os, shutil, statistics, sys, tempfile, time, types, warnings
+import argparse, gc, json, math, os, shutil, statistics, sys, tempfile, time, types, warnings
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # record.py
 
 SHAPES = {  # Qwen3's published configs (Hugging Face config.json of each Base model)
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -148,10 +156,11 @@ def make_rows(n, prompt, lengths, vocab, seed):
 
 def padding(rows, groups):
     """(padded fraction of the tokens computed, tokens computed): each micro-batch padded to its longest."""
+    from policy import length
     real = computed = 0
     for g in groups:
         if g:
-            lengths = [len(rows[i][0]) + len(rows[i][1]) for i in g]
+            lengths = [length(rows[i]) for i in g]
             real, computed = real + sum(lengths), computed + max(lengths) * len(g)
     return (1 - real / computed if computed else 0.0), computed
 
@@ -159,22 +168,35 @@ def padding(rows, groups):
 # ---- levers: one speed choice each, on or off in this process --------------------------------------
 
 LEVERS = ("micro_tokens_x2", "micro_tokens_x4", "no_checkpointing", "selective_checkpointing", "compile_layers",
-          "eager_layers", "fewest_micro_batches")
+          "eager_layers")
 FEWEST = 1e6  # a micro-batch's cost, in --micro-tokens, that outweighs any padding: the fewest that fit
 
 
-def set_lever(P, policy, lever, on, base):
-    """Turn one of LEVERS on, or off again: back to the base, whose layers are compiled if base["compiled"],
-    checkpointed fully, and whose micro-batches cost base["cost"] (micro_tokens_xN is run_passes'
-    --micro-tokens, nothing to set here)."""
+def set_layers(policy, compiled, compiler):
+    """The policy's decoder layers compiled by `compiler` (layers.compile_layers), or eager (layers.eager_layers)."""
     import layers
+    if compiled:
+        layers.compile_layers(policy.lm, policy.layers, compiler)
+    else:
+        layers.eager_layers(policy.lm, policy.layers)
+
+
+def set_lever(policy, lever, on, base):
+    """Turn one of LEVERS on, or off again: back to the base, whose layers are compiled if base["compiled"] (by
+    base["compiler"]) and checkpointed fully (micro_tokens_xN is run_passes' --micro-tokens, nothing to set)."""
     if lever in ("no_checkpointing", "selective_checkpointing"):
         policy.layers.checkpointing = {"no_checkpointing": "off"}.get(lever, "selective") if on else "full"
     elif lever in ("compile_layers", "eager_layers"):
-        compiled = (lever == "compile_layers") if on else base["compiled"]
-        (layers.compile_layers if compiled else layers.eager_layers)(policy.lm, policy.layers)
-    elif lever == "fewest_micro_batches":
-        P.MICRO_BATCH_COST = FEWEST if on else base["cost"]
+        set_layers(policy, (lever == "compile_layers") if on else base["compiled"], base["compiler"])
+
+
+def layers_line(policy, eager_calls):
+    """How a phase's decoder layers ran: compiled or eager, its timed runs' eager layer calls, and whether they
+    ran eager although compiled (then the line is no figure of compiled layers)."""
+    compiled = policy.layers.compiled
+    return {"layers": "compiled" if compiled else "eager", "eager_layer_calls": eager_calls,
+            "ran_eager_although_compiled": bool(compiled and eager_calls),
+            "layer_compile_failures": len(policy.layers.failures)}
 
 
 # ---- FLOPs and memory ------------------------------------------------------------------------------
@@ -232,10 +254,10 @@ def old_pass(P, policy, rows, idx, valid, micro_tokens, temperature):
 
 
 def run_update(S, policy, opt, batch, idx, old_logp, args, tally):
-    """stapo.update on mini-batch idx, every token kept (keep = valid): its MiniBatch built by field name."""
+    """stapo.update on mini-batch idx, every token kept (each token's scale 1: nothing silenced)."""
     valid = batch.valid[idx]
-    parts = dict(idx=idx, scale=valid, num_tokens=float(valid.sum()), old_logp=old_logp, adv=batch.adv[idx])
-    mb = S.MiniBatch(**{f.name: parts[f.name] for f in dataclasses.fields(S.MiniBatch)})
+    mb = S.MiniBatch(idx=idx, old_logp=old_logp, adv=batch.adv[idx], scale=valid.float(),
+                     num_tokens=float(valid.sum()))
     return S.update(policy, opt, batch.rows, batch.valid, mb, args, tally)
 
 
@@ -332,40 +354,48 @@ def main(argv=None):
     p.add_argument("--micro-tokens", type=int, default=16384, help="stapo.py's --micro-tokens")
     p.add_argument("--reps", type=int, default=2, help="timed runs of each phase, after one warm-up")
     p.add_argument("--phases", default="old_pass,update,full_logits", help="comma list of the phases timed")
+    p.add_argument("--compile-layers", default="auto", choices=["auto", "on", "off"],
+                   help="the base's decoder layers, as stapo.py's flag (auto: compiled on CUDA)")
+    p.add_argument("--layers-compiler", default="inductor",
+                   help="the dynamo backend that compiles the layers (default inductor, as stapo.py)")
     p.add_argument("--peak-tflops", type=float, help="the device's peak (default: by its name; none on CPU)")
     p.add_argument("--model-dir", help="a folder saved by an earlier run (default: a new temporary one)")
     p.add_argument("--padding-only", action="store_true", help="print the padded fractions, run nothing")
     p.add_argument("--levers", default="", help="comma list of levers, each measured alone against the base "
                    f"(a+b: both): {', '.join(LEVERS)}")
     p.add_argument("--profile", default="", help="comma list of phases profiled once after their timed runs")
+    import record
+    record.add_flag(p)
     a = p.parse_args(argv)
     for lever in filter(None, a.levers.replace("+", ",").split(",")):
         if lever not in LEVERS:
             p.error(f"--levers: unknown lever {lever!r} (known: {', '.join(LEVERS)})")
     vocab = SHAPES[a.shape]["vocab_size"]
+    from policy import shortest_first
     batches = []
     for kind in a.lengths.split(","):
         rows = make_rows(a.samples, a.prompt, response_lengths(kind, a.samples, a.response, a.sigma, a.seed),
                          vocab, a.seed + 1)
-        idx = sorted(range(a.samples), key=lambda i: len(rows[i][0]) + len(rows[i][1]))  # as stapo.py sorts
-        batches.append((kind if kind in ("equal", "lognormal") else "file", rows, idx))
-    if a.padding_only:
-        for name, rows, idx in batches:
-            print_padding(rows, idx, a, name)
-        return {}
-    folder = a.model_dir or tempfile.mkdtemp(prefix="train_passes_")
-    try:
-        return run_all(a, batches, folder)
-    finally:
-        if not a.model_dir:
-            shutil.rmtree(folder, ignore_errors=True)
+        name = kind if kind in ("equal", "lognormal") else "file"
+        batches.append((name, rows, shortest_first(rows, range(a.samples))))  # as split_minibatches sorts
+    with record.kept(a.results, "train_passes"):
+        if a.padding_only:
+            for name, rows, idx in batches:
+                print_padding(rows, idx, a, name)
+            return {}
+        folder = a.model_dir or tempfile.mkdtemp(prefix="train_passes_")
+        try:
+            return run_all(a, batches, folder)
+        finally:
+            if not a.model_dir:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_all(a, batches, folder):
     """Build the policy from a random checkpoint of --shape in folder, then every phase on every batch, then
     the levers on the first: returns each phase's line by (lengths, lever)."""
     vocab = SHAPES[a.shape]["vocab_size"]
-    import head, parallel, policy as P, stapo as S
+    import head, layers, parallel, policy as P, stapo as S
     rank, world, device, mesh = parallel.init_distributed()
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name() if cuda else "cpu"
@@ -374,11 +404,11 @@ def run_all(a, batches, folder):
     t0 = time.perf_counter()
     if not os.path.exists(os.path.join(folder, "config.json")):
         save_random_model(folder, a.shape, device)
-    import layers
-    base = dict(compiled=layers.should_compile("auto", device), cost=P.MICRO_BATCH_COST)  # as stapo.py's
+    base = dict(compiled=layers.should_compile(a.compile_layers, device), compiler=a.layers_compiler)
     if "trl_update" in a.phases.split(","):
         preload_trl()
-    policy = P.build_policy(folder, mesh, device, dtype, base["compiled"])
+    policy = P.build_policy(folder, mesh, device, dtype)
+    set_layers(policy, base["compiled"], base["compiler"])  # what build_policy(..., compiled=True) does last
     opt = P.build_optimizer(policy, 1e-6, 0.1)  # stapo.py's, at its default lr and weight decay
     params = sum(t.numel() for t in policy.parameters())
     print(json.dumps({"phase": "build", "shape": a.shape, "params": params, "device": name,
@@ -386,7 +416,7 @@ def run_all(a, batches, folder):
                       "seconds": round(time.perf_counter() - t0, 1),
                       "head_chunk_rows_auto": head.chunk_rows(device, vocab),
                       "head_compiled": head.compiles(device), "layers_compiled": base["compiled"],
-                      "peak_tflops": peak,
+                      "layers_compiler": base["compiler"] if base["compiled"] else None, "peak_tflops": peak,
                       "samples": a.samples, "micro_tokens": a.micro_tokens}), flush=True)
     results = {}
     for dist_name, rows, idx in batches:
@@ -401,13 +431,13 @@ def run_all(a, batches, folder):
         times = math.prod(int(x.rsplit("_x", 1)[1]) for x in levers if x.startswith("micro_tokens_x"))
         b = argparse.Namespace(**{**vars(a), "phases": phases, "micro_tokens": a.micro_tokens * times})
         for lever in levers:
-            set_lever(P, policy, lever, True, base)
+            set_lever(policy, lever, True, base)
         try:
             config = run_passes(P, S, policy, opt, rows, idx, b, device, peak, dist_name, folder,
                                 lever=combo)
         finally:
             for lever in levers:
-                set_lever(P, policy, lever, False, base)
+                set_lever(policy, lever, False, base)
         results[(dist_name, combo)] = config
         print_table(config, b, name, peak, dist_name, combo)
     return results
@@ -431,10 +461,13 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder,
     fwd, tokens = forward_flops(policy.lm.config, rows), sum(len(x) + len(y) for x, y in rows)
     state, results = {}, {}
 
-    def old():
+    def old():  # timed as stapo.py's step times it: from the tally's start to its old_policy mark
+        tally = StepMetrics(0, "stapo")
         state["old"] = old_pass(P, policy, batch.rows, idx, batch.valid, a.micro_tokens, args.temperature)
+        tally.peak("old_policy")
+        return tally
 
-    def update():
+    def update():  # stapo.update marks its own phases: backward (the micro-batches), optimizer
         tally = StepMetrics(0, "stapo")
         run_update(S, policy, opt, batch, idx, state["old"], args, tally)
         return tally
@@ -462,9 +495,10 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder,
             continue  # TRL's micro-batches count samples: sized for the longest, a long tail runs one by one
         fn, flops = phases[phase]
         held = peak_gib(cuda, now=True) if phase == "trl_update" else 0.0  # ours, before TRL's is built
-        times, peaks, syncs, warmup = [], [], None, None
+        times, peaks, split, syncs, warmup, eager = [], [], [], None, None, 0
         for r in range(a.reps + 1):
             reset_peak(cuda)
+            eager_from = policy.layers.eager_calls
             t = time.perf_counter()
             try:
                 tally, counted = counting_syncs(fn, cuda) if r else (fn(), None)
@@ -479,25 +513,31 @@ def run_passes(P, S, policy, opt, rows, idx, a, device, peak, dist_name, folder,
                 break
             if cuda:
                 torch.cuda.synchronize()
-            seconds = time.perf_counter() - t
-            inner = list(getattr(tally, "peaks", {}).values())  # the trainer's own marks reset the peak
-            peaks.append(max([peak_gib(cuda)] + inner) - held)
+            seconds = time.perf_counter() - t  # TRL's phase: this script's clock; the project's: the trainer's
+            if tally is not None:
+                seconds = sum(tally.seconds.values())
+            peaks.append(max([peak_gib(cuda)] + list(tally.peaks.values() if tally else [])) - held)
             if r:  # the first is the warm-up (compiles, allocator growth)
                 times.append(seconds)
+                split.append(tally.seconds if tally else {})
                 syncs = counted
+                eager += policy.layers.eager_calls - eager_from
             else:
                 warmup = seconds
         if times:
             s = statistics.median(times)
             tflops = flops / s / 1e12
             pad, computed, count = cut.get(phase, (pad_ours, computed_ours, len(groups)))
+            by_phase = split[times.index(sorted(times)[(len(times) - 1) // 2])]  # the median run's (lower middle)
             out = {"phase": phase, "lengths": dist_name, "lever": lever,
-                   "seconds": round(s, 4),
+                   "seconds": round(s, 4), "seconds_by_phase": {k: round(v, 4) for k, v in by_phase.items()},
                    "times": [round(x, 4) for x in times], "warmup_s": round(warmup, 2),
                    "tokens_per_s": round(tokens / s),
                    "tflops": round(tflops, 2), "mfu": round(tflops / peak, 4) if peak else None,
                    "peak_gib": round(max(peaks), 3), "padded_frac": round(pad, 4), "micro_batches": count,
-                   "tokens": tokens, "tokens_computed": computed, "host_syncs": syncs}
+                   "tokens": tokens, "tokens_computed": computed, "host_syncs": syncs,
+                   **(layers_line(policy, eager) if phase != "trl_update" else
+                      {"layers": "trl", "eager_layer_calls": None, "ran_eager_although_compiled": False})}
             results[phase] = out
             print(json.dumps(out), flush=True)
             if phase in a.profile.split(","):
@@ -564,8 +604,8 @@ def profile(fn, cuda, phase, dist_name, lever, timed, rows=15):
 def print_padding(rows, idx, a, dist_name):
     """The padded fraction of two cuts at --micro-tokens (policy.cut_by_length, as one rank cuts): the
     trainer's, and the fewest micro-batches that fit. Pure arithmetic."""
-    from policy import MICRO_BATCH_COST, cut_by_length
-    lengths = [len(rows[i][0]) + len(rows[i][1]) for i in idx]
+    from policy import MICRO_BATCH_COST, cut_by_length, length
+    lengths = [length(rows[i]) for i in idx]
     for label, cost in (("trainers_cut", MICRO_BATCH_COST), ("fewest_micro_batches", FEWEST)):
         groups = [idx[part] for part in cut_by_length(lengths, a.micro_tokens, cost)]
         pad, computed = padding(rows, groups)
@@ -575,22 +615,33 @@ def print_padding(rows, idx, a, dist_name):
                           "tokens": sum(len(x) + len(y) for x, y in rows)}), flush=True)
 
 
+def layers_cell(r):
+    """A row's layers, as the table prints them: compiled, eager, or EAGER where compiled layers ran eager."""
+    if r["ran_eager_although_compiled"]:
+        return f"**EAGER**: compiled, but {r['eager_layer_calls']} calls ran eager"
+    return r["layers"] if r["eager_layer_calls"] is None else f"{r['layers']}, {r['eager_layer_calls']} eager"
+
+
 def print_table(results, a, name, peak, dist_name, lever=None):
+    """The phases of one configuration, one row each; ratios of this one run. A ratio of a phase whose compiled
+    layers ran eager says so."""
     which = f"lever {lever}" if lever else "base"
     print(f"\n{a.shape}, {a.samples} samples, lengths {dist_name}, {which}, --micro-tokens {a.micro_tokens}, "
           f"on {name}; MFU against {peak or 'no'} TFLOP/s (model FLOPs: 2N per token, the "
           "head on response tokens, causal attention, x3 to train, recomputation not counted)")
-    print("| phase | s | tokens/s | TFLOP/s | MFU | peak GiB | padded |\n|---|---|---|---|---|---|---|")
+    print("| phase | s | tokens/s | TFLOP/s | MFU | peak GiB | padded | layers, eager calls |\n"
+          "|---|---|---|---|---|---|---|---|")
     for phase, r in results.items():
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         print(f"| {phase} | {r['seconds']:.3f} | {r['tokens_per_s']} | {r['tflops']:.1f} | {mfu} | "
-              f"{r['peak_gib']:.2f} | {100 * r['padded_frac']:.1f}% |")
-    if "update" in results and "full_logits" in results:
-        u, f = results["update"], results["full_logits"]
-        memory = f"{u['peak_gib'] / f['peak_gib']:.2f}x" if f["peak_gib"] else "n/a"  # a tiny CPU pass can peak at 0
-        print(f"update / full_logits: time {u['seconds'] / f['seconds']:.2f}x, peak memory {memory} (one run)")
-    if "update" in results and "old_pass" in results:
-        print(f"update / old_pass: time {results['update']['seconds'] / results['old_pass']['seconds']:.2f}x")
+              f"{r['peak_gib']:.2f} | {100 * r['padded_frac']:.1f}% | {layers_cell(r)} |")
+    for x, y in (("update", "full_logits"), ("update", "old_pass")):
+        if x in results and y in results:
+            u, f = results[x], results[y]
+            memory = f"{u['peak_gib'] / f['peak_gib']:.2f}x" if f["peak_gib"] else "n/a"  # a tiny pass can peak at 0
+            eager = " (layers ran eager although compiled)" if (
+                u["ran_eager_although_compiled"] or f["ran_eager_although_compiled"]) else ""
+            print(f"{x} / {y}: time {u['seconds'] / f['seconds']:.2f}x, peak memory {memory} (one run){eager}")
 
 
 if __name__ == "__main__":

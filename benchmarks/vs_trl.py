@@ -18,13 +18,18 @@ defaults to True and is set so; --trl-checkpointing off measures TRL without it)
 Each run is its own child process, TRL and stapo interleaved (a pair = one of each), so a noisy spell
 of the machine hits both sides of a pair. A run's time is the median of its steps after the first
 (warm-up). Memory is each step's peak resident set (VmHWM, reset after every step on both sides; stapo's
-trainer records it by phase); a run's peak is the largest. The ratio is taken within each pair, then the
-median.
+trainer records it by phase); a run's peak is the largest.
+The speed ratio is TRL's step over stapo's, taken within each pair; the figure is the median of those per-pair
+ratios (for an even count the lower of the middle two: one pair's own ratio), and the table's step columns are
+that median pair's steps, so TRL step / stapo step is the ratio printed beside them. The memory ratio is stapo's
+largest peak over TRL's, each over all its runs. Each pair prints a JSON line, and the summary one (every pair's
+ratio with it); all of it also goes to a results file (--results: record.py).
 """
 import argparse, json, os, shutil, statistics, subprocess, sys, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # record.py
 CONFIGS = {"a": dict(vocab=512, hidden=64, prompts=4, tokens=128),
            "b": dict(vocab=151936, hidden=256, prompts=2, tokens=512)}
 G = 8
@@ -140,6 +145,31 @@ def spawn(python, side, a):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def summary(pairs):
+    """pairs: [(TRL's run, stapo's run)]. The median pair (by TRL / stapo step, the lower middle for an even
+    count), its steps and ratio, every pair's ratio, and each side's largest peak and their ratio."""
+    ratios = [t["step_s"] / s["step_s"] for t, s in pairs]
+    median = statistics.median_low(ratios)
+    trl, ours = pairs[ratios.index(median)]
+    peak_trl, peak_ours = max(t["peak_mb"] for t, _ in pairs), max(s["peak_mb"] for _, s in pairs)
+    return {"summary": "vs_trl", "ratio": "the median of the per-pair ratios TRL step / stapo step",
+            "trl_step_s": trl["step_s"], "stapo_step_s": ours["step_s"], "trl_over_stapo": median,
+            "pair_ratios": ratios, "trl_peak_mb": peak_trl, "stapo_peak_mb": peak_ours,
+            "stapo_over_trl_peak": peak_ours / peak_trl}
+
+
+def print_table(c, a, x):
+    """The summary x as the docs' table: the median pair's steps, their ratio, the peaks."""
+    print(f"({a.config}) V={c['vocab']}, H={c['hidden']}, {c['prompts']} prompts x {G}, T={c['tokens']}, "
+          f"{a.pairs} pairs of {a.steps} steps; both fp32; activation checkpointing: stapo on, "
+          f"TRL {a.trl_checkpointing}")
+    print("| TRL step (median pair) | stapo step (median pair) | TRL / stapo: median of pair ratios (each pair) "
+          "| TRL peak RSS | stapo peak RSS (/ TRL's) |\n|---|---|---|---|---|")
+    print(f"| {x['trl_step_s']:.3f} s | {x['stapo_step_s']:.3f} s | {x['trl_over_stapo']:.2f}x "
+          f"({', '.join(f'{r:.2f}' for r in x['pair_ratios'])}) | {x['trl_peak_mb']:.0f} MB | "
+          f"{x['stapo_peak_mb']:.0f} MB ({x['stapo_over_trl_peak']:.2f}x) |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trl-python", default=sys.executable, help="a python with TRL 1.16 (default: this one)")
@@ -151,39 +181,37 @@ def main():
     p.add_argument("--folder", default="/tmp/stapo_vs_trl", help="where the model and the runs go")
     p.add_argument("--only", choices=["trl", "stapo"], help="run one side (--pairs runs of it), no ratios")
     p.add_argument("--side", choices=["trl", "stapo"], help=argparse.SUPPRESS)
+    import record
+    record.add_flag(p)
     a = p.parse_args()
     a.folder = os.path.abspath(a.folder) + ("" if a.side else "_" + a.config)
     if a.side:
         return child(a)
+    with record.kept(a.results, f"vs_trl_{a.config}"):
+        run(a)
+
+
+def run(a):
     os.makedirs(a.folder, exist_ok=True)
     build(a.folder, **CONFIGS[a.config])
     if a.only:
         for k in range(a.pairs):
             r = spawn(a.trl_python if a.only == "trl" else sys.executable, a.only, a)
+            print(json.dumps({"run": k + 1, "side": a.only, **r}), flush=True)
             print(f"{a.only} run {k + 1}: step {r['step_s']:.3f} s, peak {r['peak_mb']:.0f} MB; per step: seconds "
                   f"{[round(x, 2) for x in r['steps']]}, peak MB {[round(x) for x in r['step_peaks_mb']]}")
         return
-    rows = []
+    pairs = []
     for k in range(a.pairs):
         trl, ours = spawn(a.trl_python, "trl", a), spawn(sys.executable, "stapo", a)
-        rows.append((trl, ours))
+        pairs.append((trl, ours))
+        print(json.dumps({"pair": k + 1, "trl": trl, "stapo": ours, "trl_over_stapo": trl["step_s"] / ours["step_s"]}),
+              flush=True)
         print(f"pair {k + 1}: TRL {trl['step_s']:.3f} s {trl['peak_mb']:.0f} MB, stapo {ours['step_s']:.3f} s "
               f"{ours['peak_mb']:.0f} MB, ratio {trl['step_s'] / ours['step_s']:.2f}", flush=True)
-        for side, r in (("TRL", trl), ("stapo", ours)):
-            print(f"  {side} per step: seconds {[round(x, 2) for x in r['steps']]}, "
-                  f"peak MB {[round(x) for x in r['step_peaks_mb']]}", flush=True)
-    c = CONFIGS[a.config]
-    med = {side: statistics.median(r[i]["step_s"] for r in rows) for i, side in enumerate(("trl", "stapo"))}
-    rss = {side: max(r[i]["peak_mb"] for r in rows) for i, side in enumerate(("trl", "stapo"))}
-    ratios = [t["step_s"] / s["step_s"] for t, s in rows]
-    print(f"({a.config}) V={c['vocab']}, H={c['hidden']}, {c['prompts']} prompts x {G}, T={c['tokens']}, "
-          f"{a.pairs} pairs of {a.steps} steps; both fp32; activation checkpointing: stapo on, "
-          f"TRL {a.trl_checkpointing}")
-    print("| TRL step | stapo step | TRL / stapo (pair ratios) | TRL peak RSS | stapo peak RSS |")
-    print("|---|---|---|---|---|")
-    print(f"| {med['trl']:.3f} s | {med['stapo']:.3f} s | {statistics.median(ratios):.2f}x faster "
-          f"({', '.join(f'{r:.2f}' for r in ratios)}) | {rss['trl']:.0f} MB | {rss['stapo']:.0f} MB "
-          f"({rss['stapo'] / rss['trl']:.2f}x) |")
+    x = summary(pairs)
+    print(json.dumps(x), flush=True)
+    print_table(CONFIGS[a.config], a, x)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ def test_compiled_layers_compute_what_the_eager_layers_do(tiny):
     """layers.compile_layers (stapo.py --compile-layers; auto: on CUDA) against the eager layers, on the same
     weights and samples: log p of every response token and every parameter's gradient, over two micro-batches
     of different shapes (the dynamic-shape graph), with FSDP2 and checkpointing as the trainer builds them.
-    On a GPU (benchmarks/gpu_check.sh runs this test there) the backend is inductor, in fp32 and bf16; on CPU,
+    On a GPU (benchmarks/gpu_check.py runs this test there) the backend is inductor, in fp32 and bf16; on CPU,
     aot_eager in fp32: dynamo's capture, the FSDP2 hooks it skips and AOT autograd are ours to prove, while
     inductor's CPU kernels, which no GPU runs, cost a minute of compiling. Tolerances, the largest gap over
     log p and gradients against the fp32 eager result: fp32, 1e-5 of the largest value (reordered sums);
