@@ -169,14 +169,8 @@ def main(dtype_name, tied, out):
     engine.close()  # vLLM's shutdown (it destroys the process group)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) > 1:  # a child: one engine per process (vLLM's CPU worker rebinds the process)
-        try:
-            main(sys.argv[1], sys.argv[2] == "tied", sys.argv[3])
-        finally:
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-        sys.exit()
+def measure_all():
+    """Each dtype and model in a child process of its own (one engine each): the table, the step, the cost."""
     import subprocess
     import stapo
     print("| dtype | model | sync | tokens | mean | median | p95 | max | probe check | digest check |")
@@ -208,3 +202,19 @@ if __name__ == "__main__":
         print(f"  {dtype} {kind}: {c['values']:,} values; trainer {c['trainer_s']:.4f} s, engine "
               f"{c['engine_s']:.4f} s, load_weights {c['load_weights_s']:.4f} s; 2^26 values {c['big_s']:.2f} s "
               f"({c['big_ns']:.1f} ns a value)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("bf16", "fp32"):  # a child: one engine per process
+        try:
+            main(sys.argv[1], sys.argv[2] == "tied", sys.argv[3])
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        sys.exit()
+    import argparse
+    import record
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    record.add_flag(parser)
+    with record.kept(parser.parse_args().results, "sync_gaps"):
+        measure_all()
