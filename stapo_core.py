@@ -26,8 +26,10 @@ def group_advantages(rewards, group_size, eps=1e-6):
 
 
 def s2t_candidates(logp, adv, valid, tau_p=0.002):
-    """S2T's candidates: valid & (A > 0) & (p < tau_p), a bool [N, T]. adv: [N], [N, 1] or [N, T].
-    A fresh or tiny model makes many: p ~ 1/V is already below tau_p for any V > 500."""
+    """S2T's candidates: valid & (A > 0) & (p < tau_p), a bool [N, T] (or [M] for packed tokens, adv [M]).
+    adv: [N], [N, 1] or [N, T]; other shapes are a ValueError, as in stapo_loss. A fresh or tiny model makes
+    many: p ~ 1/V is already below tau_p for any V > 500."""
+    check_shapes("s2t_candidates", logp, adv, valid)
     adv = adv if adv.dim() == logp.dim() else adv[:, None]
     return valid.bool() & (adv > 0) & (logp.exp() < tau_p)
 
@@ -99,13 +101,9 @@ def stapo_loss(logp, old_logp, adv, keep, num_tokens=None, eps_low=0.2, eps_high
       - Data parallel: a wrapper that averages gradients over W ranks (DDP, FSDP, accelerate, TRL)
         needs num_tokens = global kept / W, or the loss multiplied by W (what stapo.py does).
     """
-    if logp.dim() not in (1, 2) or old_logp.shape != logp.shape or keep.shape != logp.shape:
-        raise ValueError(f"stapo_loss: logp, old_logp, keep must share one shape [N, T] or [M]; "
-                         f"got {tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(keep.shape)}")
-    per_row = logp.dim() == 2 and adv.shape in (logp.shape[:1], (logp.shape[0], 1))
-    if adv.shape != logp.shape and not per_row:
-        raise ValueError(f"stapo_loss: adv must be [N], [N, 1] or [N, T] (padded logp), [M] (packed "
-                         f"logp); got adv {tuple(adv.shape)} for logp {tuple(logp.shape)}")
+    check_shapes("stapo_loss", logp, adv, old_logp, keep)
+    if isinstance(num_tokens, torch.Tensor) and num_tokens.dim() != 0:  # a [1] count would make a [1] loss
+        raise ValueError(f"stapo_loss: num_tokens must be a 0-dim tensor, got shape {tuple(num_tokens.shape)}")
     adv = adv.detach().float()
     adv = (adv if adv.dim() == logp.dim() else adv[:, None]).expand_as(logp)
     kept = keep > 0
@@ -141,3 +139,15 @@ def quantile(x, q):
     lo = int(pos)
     hi = min(lo + 1, s.numel() - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+def check_shapes(where, logp, adv, *same):
+    """logp and each of `same` share one shape, [N, T] or packed [M]; adv is [N], [N, 1] or [N, T] for [N, T],
+    [M] for packed tokens: else a ValueError naming the shapes (a wrong shape would broadcast silently)."""
+    if logp.dim() not in (1, 2) or any(x.shape != logp.shape for x in same):
+        raise ValueError(f"{where}: logp, old_logp, keep/valid must share one shape [N, T] or [M]; got "
+                         f"{', '.join(str(tuple(x.shape)) for x in (logp, *same))}")
+    per_row = logp.dim() == 2 and adv.shape in (logp.shape[:1], (logp.shape[0], 1))
+    if adv.shape != logp.shape and not per_row:
+        raise ValueError(f"{where}: adv must be [N], [N, 1] or [N, T] (padded logp), [M] (packed logp); got "
+                         f"adv {tuple(adv.shape)} for logp {tuple(logp.shape)}")
+

@@ -104,9 +104,17 @@ def test_a_data_parallel_threshold_in_three_calls_equals_one_process():
 
 
 def test_candidates_of_a_fresh_model_are_most_positive_tokens():
-    """p ~ 1/V: below tau_p = 0.002 for V = 151,936 (and for V = 512), so every A > 0 token is one."""
+    """p ~ 1/V: below tau_p = 0.002 for V = 151,936 (and for V = 512), so every A > 0 token is one; and with
+    entropies spread as a fresh model's are, q = 0.75 silences three quarters of them (the README's warning to
+    a copier who tries the mask on random weights). Breaks with a candidate test on H, or tau_h off its
+    quantile."""
     logp = torch.full((2, 4), -math.log(151_936))
     assert s2t_candidates(logp, torch.tensor([1.0, -1.0]), torch.ones(2, 4)).tolist() == [[True] * 4, [False] * 4]
+    g = torch.Generator().manual_seed(0)
+    logp, entropy = torch.full((64, 32), -math.log(512)), 6.0 + 0.1 * torch.rand(64, 32, generator=g)
+    adv, valid = torch.tensor([1.0, -1.0]).repeat(32), torch.ones(64, 32, dtype=torch.bool)
+    silenced = s2t_mask(logp, entropy, adv, valid)
+    assert silenced.sum() / (valid & (adv[:, None] > 0)).sum() == pytest.approx(0.75, abs=0.01)
 
 
 # ---------------------------------------------------------------- stapo_loss
@@ -319,8 +327,8 @@ def test_stapo_loss_small_num_tokens_is_used_as_given():
 def test_a_tensor_num_tokens_is_a_python_numbers_equal_and_a_zero_one_gives_nothing(count):
     """A 0-dim tensor count (all-reduced, the contract's recipe) gives the loss and gradient of the same Python
     number, bit for bit, float or integer; a zero one, with tokens kept, gives a zero loss and a zero gradient
-    (no inf, no NaN), as the number 0 does. Breaks with a tensor divided by unclamped, or kept out of the
-    zero case."""
+    (no inf, no NaN), as the number 0 does, and so does a negative one (its sign is not read: <= 0 gives the
+    zero loss). Breaks with a tensor divided by unclamped, or kept out of the zero case."""
     logp, old, adv, valid = _batch(7)
     for n in (torch.tensor(float(count)), torch.tensor(count) if count == int(count) else None):
         if n is None:
@@ -329,7 +337,7 @@ def test_a_tensor_num_tokens_is_a_python_numbers_equal_and_a_zero_one_gives_noth
             (loss, torch.autograd.grad(loss, logp)[0])
             for loss, _ in (stapo_loss(logp, old, adv, valid, num_tokens=x) for x in (n, count)))
         assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
-    for zero in (torch.tensor(0.0), torch.tensor(0), 0):
+    for zero in (torch.tensor(0.0), torch.tensor(0), 0, torch.tensor(-3.0)):  # a tensor's sign is not read
         loss, _ = stapo_loss(logp, old, adv, valid, num_tokens=zero)
         (grad,) = torch.autograd.grad(loss, logp)
         assert loss.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
@@ -605,3 +613,18 @@ def test_stapo_loss_compiles_as_one_graph():
         (got_grad,) = torch.autograd.grad(got, logp)
         assert torch.allclose(got, want) and torch.allclose(got_grad, want_grad)
         assert all(torch.equal(got_stats[k], want_stats[k]) for k in want_stats)
+
+
+def test_shapes_that_would_broadcast_are_refused_by_name():
+    """s2t_candidates checks its shapes as stapo_loss does (packed [M] log-probs with [N] advantages would
+    broadcast, or fail in torch's words), and a count given as a [1] tensor (what all_reduce of
+    torch.tensor([n]) gives) is refused: it would make the loss [1]. Breaks if either check goes."""
+    logp, adv, valid = torch.zeros(3, 4), torch.ones(3), torch.ones(3, 4, dtype=torch.bool)
+    for bad_adv, bad_valid in ((torch.ones(4), valid), (adv, valid[:, :3]), (torch.ones(3, 2), valid)):
+        with pytest.raises(ValueError, match=r"s2t_candidates: .*got"):
+            s2t_candidates(logp, bad_adv, bad_valid)
+    with pytest.raises(ValueError, match=r"s2t_candidates: adv must be .* got adv \(3,\) for logp \(5,\)"):
+        s2t_candidates(torch.zeros(5), adv, torch.ones(5, dtype=torch.bool))  # packed tokens, per-row adv
+    assert s2t_candidates(torch.zeros(5), torch.ones(5), torch.ones(5, dtype=torch.bool)).shape == (5,)
+    with pytest.raises(ValueError, match=r"num_tokens must be a 0-dim tensor, got shape \(1,\)"):
+        stapo_loss(logp, logp, adv, valid, torch.tensor([12.0]))
