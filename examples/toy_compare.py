@@ -1,29 +1,38 @@
-"""STAPO against JustRL on the CPU toy, seeded: what silencing does, measured over seeds.
+"""The CPU toy's arms over seeds: STAPO against JustRL (and the positive control), what silencing does.
 
-    python examples/toy_compare.py --out runs/compare                      # stapo and justrl, seeds 0-4
-    python examples/toy_compare.py --out runs/c --methods stapo,justrl,grpo --seeds 5,6,7,8,9 --hard --lr 2e-3
-    python examples/toy_compare.py --kernels --seeds 0,1,2 --out runs/kernels  # docs/toy.md's kernel table
+    python examples/toy_compare.py --out runs/span --methods stapo,justrl,control   # the span world, seeds 0-4
+    python examples/toy_compare.py --out runs/span --table-only --power "entropy rise" --power-seeds 10
+    python examples/toy_compare.py --kernels --seeds 0,1,2,3,4 --out runs/kernels   # STAPO per kernel setting
+    python examples/toy_compare.py --world add --out runs/compare                   # the earlier world's study
 
-One warm start (examples/toy.py's, built once), then one `examples/toy.py --base` process per objective and
-seed, --jobs of them at a time, each with OMP_NUM_THREADS=1. Every run's folder is <out>/<method>_s<seed>
-(its log in run.log). A run already finished there (its result.json) is not run again, so a stopped
-comparison continues where it stopped. Then it prints one table, the mean and a 95% t-interval over seeds of:
+One warm start (examples/toy.py's, built once), then one `examples/toy.py --base` process per arm and seed,
+--jobs of them at a time, each with OMP_NUM_THREADS=1. Every run's folder is <out>/<arm>_s<seed> (its log in
+run.log). A run already finished there (its result.json) is not run again, so a stopped comparison continues
+where it stopped. Then it prints one table, the mean and a 95% t-interval over seeds of, for the span world:
   held-out accuracy       greedy, on the toy's 200 problems never trained on
+  accuracy drop           the largest fall of the run's 10-step mean training accuracy below its highest so far
+  entropy rise            the run's largest rise of its 10-step mean entropy (all response tokens) above its
+                          lowest value so far (a blow-up after a fall; 0 when it only falls)
   final entropy           the mean token entropy of the last 10 steps
-  entropy rise            the run's largest rise of its 10-step mean entropy above its lowest value so far
-                          (a blow-up after a fall; 0 when it only falls)
-  S2T's set, per 1e4      the tokens S2T flags (A > 0, p < tau_p, H < tau_h), per 10^4 response tokens with
-                          A != 0 (taxonomy/posA_lowP_lowH/tokens x taxonomy/split), over the run; and over its
-                          first and last quarter of steps: what becomes of such tokens as training goes on
+  span: other tokens' p   after RL, at the held-out prompts, the mean probability of anything but the span's own
+                          token at the span's 8 positions (toy.span_stats; the warm start's: 0.016)
+  S2T's set per 1e4       the tokens S2T flags (A > 0, p < tau_p, H < tau_h), per 10^4 response tokens with
+                          A != 0 (taxonomy/posA_lowP_lowH/tokens x taxonomy/split), over the run
+  … in the span (%)       the share of them (silenced.jsonl, every objective's) that fell in the span (toy.region)
+  … its H                 their mean entropy (taxonomy/posA_lowP_lowH/entropy), the mean over steps
   grad share (%)          S2T's set's share of the sum of ||grad_a||^2 the loss applies (grad_share/silenced:
                           0 under STAPO, which silences it), and what it would be were the set kept
                           (grad_share/silenced_if_kept), the mean over steps
-with a last row for the first two objectives' difference, seed by seed (paired: a seed's runs share the warm
-start, the data order and the samples' seeds), over the seeds both finished; a seed that only one of them
-finished is left out of that row, and a line under the table names it. A second table gives each run's own
-held-out accuracy, entropy rise and S2T's set (over the run and its last quarter). The t factor is Student's for the
-row's own number of seeds (curves.t975). It draws <out>/bands.png: each objective's mean over seeds with a
-band (the 95% t-interval for its number of seeds) per step.
+  … p rose 5 steps on (%) of the sample of each step's set revisited 5 steps later at the same context
+                          (s2t_later/*), the share whose p rose
+(the add world's runs: held-out accuracy, final entropy, entropy rise, S2T's set per 1e4 over the run and its
+first and last quarter, the grad shares), with a last row for the first two arms' difference, seed by seed
+(paired: a seed's runs share the warm start, the data order and the samples' seeds), over the seeds both
+finished; a seed that only one of them finished is left out of that row, and a line under the table names it.
+A second table gives each run's own figures. The t factor is Student's for the row's own number of seeds
+(curves.t975). --power COLUMN adds what a paired t-test on --power-seeds seeds can find, given the effect these
+runs show (curves.paired_t_power). It draws <out>/bands.png: each arm's mean over seeds with a band (the 95%
+t-interval for its number of seeds) per step.
 """
 import argparse, json, math, os, subprocess, sys, time
 
@@ -66,20 +75,49 @@ def mean(xs):
     return sum(xs) / len(xs) if xs else 0.0
 
 
+def accuracy_drop(rows, window=10):
+    """The largest fall of the run's `window`-step mean training accuracy below its highest value so far."""
+    acc = curves.smooth([r["accuracy"] for r in rows], window)
+    high, drop = float("-inf"), 0.0
+    for x in acc:
+        high = max(high, x)
+        drop = max(drop, high - x)
+    return drop
+
+
 def run_metrics(folder):
-    """One run's row of figures, from its result.json and rl/metrics.jsonl."""
+    """One run's row of figures, from its result.json and rl/metrics.jsonl (and rl/silenced.jsonl): the add
+    world's columns for a run of it (its result.json names no world), the span world's for the span world's."""
     rows = curves.read_jsonl(os.path.join(folder, "rl", "metrics.jsonl"))
     result = json.load(open(os.path.join(folder, "result.json")))
     rate, q = spurious_rate(rows), max(len(rows) // 4, 1)
+    if result.get("world", "add") == "add":
+        return {
+            "held-out accuracy": result["after"],
+            "final entropy": mean(r["entropy_mean"] for r in rows[-10:]),
+            "entropy rise": entropy_rise(rows),
+            "S2T's set per 1e4": 1e4 * mean(rate),
+            "… first quarter": 1e4 * mean(rate[:q]),
+            "… last quarter": 1e4 * mean(rate[-q:]),
+            "grad share (%)": 100 * mean(r.get("grad_share/silenced") for r in rows),
+            "… if kept (%)": 100 * mean(r.get("grad_share/silenced_if_kept") for r in rows),
+        }
+    found = curves.read_jsonl(os.path.join(folder, "rl", "silenced.jsonl")) \
+        if os.path.exists(os.path.join(folder, "rl", "silenced.jsonl")) else []
+    where = toy.regions(found, result["span_tokens"])
+    later = [(r["s2t_later/tokens"], r["s2t_later/rose"]) for r in rows if r.get("s2t_later/tokens")]
     return {
         "held-out accuracy": result["after"],
-        "final entropy": mean(r["entropy_mean"] for r in rows[-10:]),
+        "accuracy drop": accuracy_drop(rows),
         "entropy rise": entropy_rise(rows),
+        "final entropy": mean(r["entropy_mean"] for r in rows[-10:]),
+        "span: other tokens' p": result["span"]["after"]["span_off"],
         "S2T's set per 1e4": 1e4 * mean(rate),
-        "… first quarter": 1e4 * mean(rate[:q]),
-        "… last quarter": 1e4 * mean(rate[-q:]),
+        "… in the span (%)": 100 * where["span"] / max(len(found), 1),
+        "… its H": mean(r.get("taxonomy/posA_lowP_lowH/entropy") for r in rows),
         "grad share (%)": 100 * mean(r.get("grad_share/silenced") for r in rows),
         "… if kept (%)": 100 * mean(r.get("grad_share/silenced_if_kept") for r in rows),
+        "… p rose 5 steps on (%)": 100 * sum(n * x for n, x in later) / max(sum(n for n, _ in later), 1),
     }
 
 
@@ -96,7 +134,8 @@ def table(results, before):
         cells = []
         for c in columns:
             m, h = interval([r[c] for r in runs.values()])
-            digits = 3 if c in ("held-out accuracy", "final entropy", "entropy rise") else 2
+            digits = 3 if c in ("held-out accuracy", "accuracy drop", "final entropy", "entropy rise",
+                                 "span: other tokens' p", "… its H") else 2
             cells.append(f"{m:.{digits}f}" + (f" ± {h:.{digits}f}" if h is not None else ""))
         lines.append(f"| {method} ({len(runs)}) | {' | '.join(cells)} |")
     if len(results) > 1:  # seed by seed: a seed's two runs share the warm start, the data and the samples
@@ -115,13 +154,36 @@ def table(results, before):
     return lines
 
 
-def per_seed(results, columns=("held-out accuracy", "entropy rise", "S2T's set per 1e4", "… last quarter")):
-    """Markdown: each run's own figures, a row per objective and seed (what the means above are over)."""
+SEED_COLUMNS = {"add": ("held-out accuracy", "entropy rise", "S2T's set per 1e4", "… last quarter"),
+                "span": ("held-out accuracy", "accuracy drop", "entropy rise", "span: other tokens' p",
+                         "S2T's set per 1e4", "… in the span (%)", "grad share (%)", "… if kept (%)")}
+
+
+def per_seed(results, columns=None):
+    """Markdown: each run's own figures, a row per objective and seed (what the means above are over); the
+    columns are the world's (SEED_COLUMNS: the add world's where its runs' figures have no span)."""
+    if columns is None:
+        some = next(row for runs in results.values() for row in runs.values())
+        columns = SEED_COLUMNS["span" if "… in the span (%)" in some else "add"]
     lines = [f"| objective | seed | {' | '.join(columns)} |", "|---" * (len(columns) + 2) + "|"]
     for method, runs in results.items():
         for seed in sorted(runs):
             lines.append(f"| {method} | {seed} | " + " | ".join(f"{runs[seed][c]:.3f}" for c in columns) + " |")
     return lines
+
+
+def power_line(results, column, n):
+    """What a paired t-test (two-sided, 5%) on n seeds can find, given the first two objectives' differences in
+    `column` over the seeds both have: the mean d and standard deviation s of the differences here, the power for
+    a true effect of d (curves.paired_t_power at d / s), and the least |d| it finds with 80% power."""
+    (first, a), (second, b) = list(results.items())[:2]
+    diffs = [a[s][column] - b[s][column] for s in a if s in b]
+    d = sum(diffs) / len(diffs)
+    s = math.sqrt(sum((x - d) ** 2 for x in diffs) / (len(diffs) - 1))
+    return (f"power: {column}, {first} − {second} over seeds {', '.join(str(x) for x in a if x in b)}: d = {d:+.4f}, "
+            f"s = {s:.4f} (d/s = {d / s:+.2f}); a paired t-test on {n} seeds has power "
+            f"{curves.paired_t_power(d / s, n):.3f} for it, and 80% power for |d| >= "
+            f"{curves.detectable_effect(n) * s:.4f}")
 
 
 def launch(jobs, at_once):
@@ -145,19 +207,27 @@ def launch(jobs, at_once):
 
 
 def toy_command(a, folder, method, seed, base=None):
+    """examples/toy.py's command for one arm and seed, with this comparison's settings (the world's where
+    none is given)."""
+    given = [(flag, getattr(a, key)) for flag, key in (("--steps", "steps"), ("--lr", "lr"), ("--prompts", "prompts"),
+             ("--minibatches", "minibatches"), ("--tau-p", "tau_p"), ("--max-tokens", "max_tokens"))
+             if getattr(a, key) is not None]
     return [sys.executable, os.path.join(HERE, "toy.py"), "--out", folder, "--method", method, "--seed",
-            str(seed), "--steps", str(a.steps), "--lr", str(a.lr), "--sft-steps", str(a.sft_steps),
-            "--no-figure"] + \
-        (["--base", base] if base else []) + (["--hard"] if a.hard else [])
+            str(seed), "--world", a.world, "--sft-steps", str(a.sft_steps), "--no-figure"] + \
+        [str(x) for pair in given for x in pair] + (["--base", base] if base else []) + (["--hard"] if a.hard else [])
 
 
 def kernels(a, seeds):
-    """--kernels: the whole toy (its warm start included) per seed under each kernel setting; the table of
-    held-out accuracies, a row per seed."""
+    """--kernels: STAPO per seed under each kernel setting, each setting's warm start its own (built by its
+    first seed's run, under that setting; the warm start does not read the seed, so the other seeds start from
+    it); the table of held-out accuracies, a row per seed."""
     jobs = [(k, s, os.path.join(a.out, f"{k}_s{s}")) for s in seeds for k in KERNELS]
-    launch([(toy_command(a, f, "stapo", s), {} if k == "native" else {"ATEN_CPU_CAPABILITY": k}, f)
-            for k, s, f in jobs if not os.path.exists(os.path.join(f, "result.json"))],
-           0 if a.table_only else a.jobs)
+    env = lambda k: {} if k == "native" else {"ATEN_CPU_CAPABILITY": k}  # noqa: E731
+    first = {k: os.path.join(a.out, f"{k}_s{seeds[0]}") for k in KERNELS}
+    for stage in (seeds[:1], seeds[1:]):  # the warm starts, then the runs from them
+        launch([(toy_command(a, f, "stapo", s, None if s == seeds[0] else os.path.join(first[k], "base")), env(k), f)
+                for k, s, f in jobs if s in stage and not os.path.exists(os.path.join(f, "result.json"))],
+               0 if a.table_only else a.jobs)
     res = {(k, s): json.load(open(os.path.join(f, "result.json"))) for k, s, f in jobs
            if os.path.exists(os.path.join(f, "result.json"))}
     lines = ["| seed | " + " | ".join(f"{k}: warm start -> after RL" for k in KERNELS) + " |",
@@ -175,16 +245,25 @@ def kernels(a, seeds):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/compare", help="the warm start and each run's folder go here")
-    p.add_argument("--methods", default="stapo,justrl", help="comma list of stapo.py's --method")
+    p.add_argument("--methods", default="stapo,justrl", help="comma list of examples/toy.py's arms: stapo.py's "
+                   "--method, or control (the positive control)")
     p.add_argument("--seeds", default="0,1,2,3,4", help="comma list of the RL runs' seeds")
-    p.add_argument("--steps", type=int, default=toy.STEPS, help="RL steps of each run")
-    p.add_argument("--lr", type=float, default=toy.LR, help="the RL learning rate")
+    p.add_argument("--world", default="span", choices=list(toy.WORLDS), help="examples/toy.py's --world")
+    p.add_argument("--steps", type=int, help="RL steps of each run (the world's)")
+    p.add_argument("--lr", type=float, help="the RL learning rate (the world's)")
+    p.add_argument("--prompts", type=int, help="prompts per step (the world's)")
+    p.add_argument("--minibatches", type=int, help="updates per step (the world's)")
+    p.add_argument("--tau-p", type=float, help="S2T's tau_p (the world's)")
+    p.add_argument("--max-tokens", type=int, help="the response limit (the world's)")
     p.add_argument("--sft-steps", type=int, default=toy.SFT_STEPS, help="the warm start's supervised steps")
     p.add_argument("--hard", action="store_true", help="the toy's --hard: the sum restated before the box")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time, each one process on one thread")
     p.add_argument("--kernels", action="store_true", help="instead: the toy per seed under each kernel "
                    "setting (ATEN_CPU_CAPABILITY unset, avx2, default), each with its own warm start; a "
                    "table of accuracies")
+    p.add_argument("--power", metavar="COLUMN", help="also: the power a paired t-test on --power-seeds seeds has "
+                   "for the effect these runs show in COLUMN (the first two objectives' difference)")
+    p.add_argument("--power-seeds", type=int, default=10, help="the seeds of the design --power is for")
     p.add_argument("--table-only", action="store_true", help="run nothing: the table (and figure) of the "
                    "runs already finished in --out")
     a = p.parse_args(argv)
@@ -195,7 +274,7 @@ def main(argv=None):
         open(os.path.join(a.out, "kernels.md"), "w").write("\n".join(lines) + "\n")
         return lines
     base = os.path.join(a.out, "base")
-    ta = toy.parse(["--out", a.out, "--sft-steps", str(a.sft_steps), "--method", methods[0]]
+    ta = toy.parse(["--out", a.out, "--sft-steps", str(a.sft_steps), "--method", methods[0], "--world", a.world]
                    + (["--hard"] if a.hard else []))[1]
     if not a.table_only and not os.path.exists(os.path.join(base, "model.safetensors")):
         toy.prepare(ta)
@@ -208,6 +287,8 @@ def main(argv=None):
     before = json.load(open(os.path.join(jobs[0][2], "result.json")))["before"]
     results = {m: {s: run_metrics(f) for mm, s, f in jobs if mm == m} for m in methods}
     lines = table(results, before) + [""] + per_seed(results)
+    if a.power:
+        lines += ["", power_line(results, a.power, a.power_seeds)]
     print("\n".join(lines))
     with open(os.path.join(a.out, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -1,59 +1,125 @@
 """The CPU toy learns: a shortened run of examples/toy.py, and its parts."""
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import toy  # noqa: E402
+from parallel import UserError  # noqa: E402
+from support import tree_hashes  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the fast tier, pytest -m "not slow", leaves these out
-# The shortened run, and the least rise it must show (docs/toy.md: the test). At 100 steps, seed 0, one thread,
-# measured under the three kernel settings (native AVX-512, ATEN_CPU_CAPABILITY=avx2, =default): training's
-# rise 0.212, 0.326, 0.255; held-out 0.405 -> 0.75, 0.405 -> 0.85, 0.38 -> 0.805. Over the 15 runs of docs/toy.md's
-# kernel table (seeds 0-4) the rise at 100 steps is 0.153 or more; at 60 it was 0.077 to 0.205, below 0.1 on
-# one (native, seed 2) and 0.114 on the test's own (native, seed 0).
-RL_STEPS, RISE = 100, 0.1
+# The shortened run, and the least rise it must show (docs/toy.md: the test).
+RL_STEPS, RISE, IN_SPAN = 60, 0.1, 0.8
 
 
-def test_toy_learns_in_a_shortened_run(tmp_path, capsys):
-    """A shortened run of the toy (its warm start, then RL_STEPS of its STEPS): the warm start knows at most
-    half of the 200 held-out sums, RL raises training's sampled accuracy (its last 20 steps over its first 20)
-    and the held-out greedy accuracy, and the run prints its S2T summary and the path of its curves before the
-    accuracy line. The margins were measured under the three kernel settings of docs/toy.md's table (see
-    RL_STEPS)."""
-    before, after = toy.main(["--out", str(tmp_path), "--steps", str(RL_STEPS)])
+def test_the_toy_runs_stapo_beside_justrl_and_s2t_falls_in_the_span(tmp_path, capsys):
+    """What `bash toy.sh` shows, shortened to RL_STEPS of its RL (its warm start whole): the two arms run from one
+    warm start, side by side, and the output ends with the share line and one accuracy line per arm. STAPO learns:
+    its training accuracy over the last 20 steps beats the first 20 by RISE, and its held-out accuracy the warm
+    start's. And the paper's premise holds by construction: under both objectives S2T's set falls mostly
+    (IN_SPAN) in the span the reward ignores, STAPO applies none of its gradient and JustRL some. Breaks if the
+    toy stops learning (or a sign flips), if the span loses its label noise or the box its grading (the set
+    would move to the box or vanish), if the arms swap or share a run folder."""
+    results = toy.main(["--out", str(tmp_path), "--steps", str(RL_STEPS)])
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[-1] == f"toy: accuracy {before:.2f} -> {after:.2f}"
-    assert out[-2] == "held-out accuracy: greedy, on the 200 problems never trained on"
-    assert out[-3] == f"the run's curves: {tmp_path / 'curves.png'}"
+    (b0, a0), (b1, a1) = results["stapo"], results["justrl"]
+    assert out[-2:] == [f"toy: stapo accuracy {b0:.2f} -> {a0:.2f}", f"toy: justrl accuracy {b1:.2f} -> {a1:.2f}"]
+    assert out[-3].startswith("the silenced tokens: ") and "of JustRL's gradient" in out[-3]
+    assert out[-4] == "held-out accuracy: greedy, on the 200 problems never trained on"
+    assert "one seed shows a trajectory" in out[-5] and "docs/toy.md" in out[-5]
+    assert out[-6] == f"the runs' curves: {tmp_path / 'curves.png'}"
     assert (tmp_path / "curves.png").stat().st_size > 10_000
-    summary = next(line for line in out if line.startswith("S2T silenced "))
-    assert " response tokens (" in summary and "steps; each is in" in summary
-    assert 0 <= before <= 0.5          # the warm start knows the format, and at most half of the sums
-    accuracy = [json.loads(line)["accuracy"] for line in open(tmp_path / "rl" / "metrics.jsonl")]
+    assert b0 == b1 and 0 <= b0 <= 0.5    # one warm start; it knows the format, and at most half of the sums
+    rows = {arm: [json.loads(x) for x in open(tmp_path / arm / "rl" / "metrics.jsonl")] for arm in toy.PAIR}
+    accuracy = [r["accuracy"] for r in rows["stapo"]]
     first, last20 = sum(accuracy[:20]) / 20, sum(accuracy[-20:]) / 20
     assert last20 >= first + RISE, (first, last20)  # no learning, or a sign flipped, stays put or falls
-    assert after >= before + RISE, (before, after)  # and it carries to sums it never trained on
-    assert os.path.exists(tmp_path / "rl" / "model" / "config.json")
+    assert a0 >= b0 + RISE, (b0, a0)                 # and it carries to sums it never trained on
+    for arm in toy.PAIR:
+        found = [json.loads(x) for x in open(tmp_path / arm / "rl" / "silenced.jsonl")]
+        where = toy.regions(found, 8)
+        assert len(found) >= 20 and where["span"] >= IN_SPAN * len(found), (arm, where)
+        assert {r["silenced"] for r in found} == {arm == "stapo"}
+    assert all(r["grad_share/silenced"] in (0, None) for r in rows["stapo"])
+    assert toy.grad_share(rows["justrl"]) > 0.001
+    assert os.path.exists(tmp_path / "stapo" / "rl" / "model" / "config.json")
 
 
-def test_s2t_summary_names_three_tokens_in_context(tmp_path):
-    """The summary's count and fraction come from the run's logs; three tokens (first, middle, last) are
-    shown with p, H and the text around them; a method that silences nothing says so."""
+def test_one_arm_alone_keeps_its_own_last_line(tmp_path, capsys):
+    """--method X runs one arm alone in this process, shortened here (a 5-step warm start, 2 RL steps): its S2T
+    summary, its curves and `toy: accuracy A -> B` last; its result.json has the span's figures."""
+    before, after = toy.main(["--out", str(tmp_path), "--method", "justrl", "--steps", "2", "--sft-steps", "5"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == f"toy: accuracy {before:.2f} -> {after:.2f}"
+    assert out[-3] == f"the run's curves: {tmp_path / 'curves.png'}"
+    assert any(line.startswith("S2T's set under justrl: ") for line in out)
+    result = json.load(open(tmp_path / "result.json"))
+    assert result["world"] == "span" and result["span_tokens"] == 8
+    assert set(result["span"]["after"]) == {"span_entropy", "span_off", "box_entropy"}
+
+
+def test_s2t_summary_names_three_tokens_in_context_and_where_they_fell(tmp_path):
+    """The summary's count and fraction come from the run's logs; where the set fell (span, box, after) is
+    counted; three tokens (first, middle, last) are shown with p, H and the text around them; whether the run
+    silenced them is said by its objective."""
     os.makedirs(tmp_path / "rl")
     rows = [{"step": s, "response_len_mean": 10.0, "silenced_frac": 0.0} for s in (1, 2)]
     (tmp_path / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tokens = [{"step": s, "token": t, "p": 0.01, "H": 0.1, "left": "\\boxed{1", "right": "}"}
-              for s, t in ((1, "7"), (1, "8"), (2, "9"), (2, "0"))]
+    tokens = [{"step": 1, "token": "q", "t": 2, "p": 0.01, "H": 0.1, "left": "I add", "right": " and box"},
+              {"step": 1, "token": "8", "t": 11, "p": 0.01, "H": 0.1, "left": "the sum: \\boxed{1", "right": "}"},
+              {"step": 2, "token": "x", "t": 4, "p": 0.01, "H": 0.1, "left": "I add them and", "right": " the"},
+              {"step": 2, "token": "9", "t": 14, "p": 0.01, "H": 0.1, "left": "\\boxed{17}", "right": ""}]
     (tmp_path / "rl" / "silenced.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tokens))
-    lines = toy.s2t_summary(str(tmp_path / "rl"), "stapo", 64)
-    assert lines[0].startswith("S2T silenced 4 of 1280 response tokens (3.1e-03), in 2 of 2 steps")
-    assert [line.split("[[")[1][0] for line in lines[1:]] == ["7", "9", "0"]
+    lines = toy.s2t_summary(str(tmp_path / "rl"), "stapo", 64, span_tokens=8)
+    assert lines[0].startswith("S2T's set under stapo: 4 of 1280 response tokens (3.1e-03), in 2 of 2 steps, "
+                               "silenced; 2 in the span, 1 in the box, 1 after it;")
+    assert [line.split("[[")[1][0] for line in lines[1:]] == ["q", "x", "9"]
     assert "p = 0.01, H = 0.1" in lines[1]
     assert "silences nothing" in toy.s2t_summary(str(tmp_path / "rl"), "justrl", 64)[0]
+
+
+def test_region_tells_the_span_from_the_box_and_what_comes_after():
+    """region(): a span token (before any backslash, within the span's length), a token of the box (its
+    opening `\\`, `boxed`, `{`, the digits, the closing brace) and one after the closed box. Breaks if a digit
+    of the box or a run-on token counted as the span (the premise would hold by miscounting)."""
+    span, box = "I add them and box the sum:", " \\boxed{17}"
+    cases = [("I add", " them", 2, "span"), ("I add them and box the sum", ":", 7, "span"),
+             (span, " \\", 8, "box"), (span + " \\", "boxed", 9, "box"), (span + " \\boxed", "{", 10, "box"),
+             (span + " \\boxed{", "1", 11, "box"), (span + " \\boxed{17", "}", 13, "box"),
+             (span + box, " the", 14, "after"), ((span + box)[-40:], "Z", 16, "after"),
+             ("\\boxed{17} and then some more words", "x", 30, "after"),
+             (" and then some more words, and more words", "x", 30, "after"),  # the box beyond the 40
+             ("I \\boxed{", "1", 4, "box")]  # a box inside the span's length is the box
+    for left, token, t, want in cases:
+        assert toy.region({"left": left[-40:], "token": token, "t": t}, 8) == want, (left, token)
+    assert toy.region({"left": "", "token": "\\", "t": 0}, 0) == "box"  # the add world has no span
+
+
+def test_the_span_is_taught_with_its_label_noise(tmp_path):
+    """span_answer: SPAN's 8 tokens, each a letter with probability noise, then the box and the end token; with
+    noise 0 exactly the span, and the rate of letters drawn is the noise's. Breaks if the noise were drawn once
+    per answer, or never, or the span's tokens were not one per word (the tokenizer's corpus lost the span)."""
+    import random
+    tok = toy.build_tokenizer(str(tmp_path / "tok"), span=True)
+    span = tok(toy.SPAN, add_special_tokens=False)["input_ids"]
+    assert len(span) == 8 and tok.decode(span) == toy.SPAN
+    clean = toy.span_answer(tok, "17", random.Random(0), 0.0)
+    assert tok.decode(clean) == toy.SPAN + " \\boxed{17}<|im_end|>"
+    letters = {tok.convert_tokens_to_ids(c) for c in toy.LETTERS}
+    rng, n = random.Random(3), 4000
+    drawn = [toy.span_answer(tok, "17", rng, 0.05)[:8] for _ in range(n)]
+    changed = [x != s for d in drawn for x, s in zip(d, span)]
+    assert all(x in letters for d in drawn for x, s in zip(d, span) if x != s)
+    assert abs(sum(changed) / len(changed) - 0.05 * (1 - 1 / (8 * 52))) < 0.006  # "I" may draw "I"
+    assert sum(any(x != s for x, s in zip(d, span)) for d in drawn) > 0.25 * n  # per token, not per answer
+    assert toy.build_tokenizer(str(tmp_path / "add")).tokenize("108") == ["1", "0", "8"]
 
 
 def test_all_four_objectives_from_one_warm_start(tmp_path, capsys):
@@ -97,7 +163,9 @@ def test_toy_problems_and_answers(tmp_path):
 
 def test_seed_reaches_the_trainer_and_nothing_else_changes(tmp_path, monkeypatch):
     """--seed changes the RL run's seed only (a flag parsed but never passed would make every seed the same
-    run); every other trainer flag stays as it was. (The warm start never reads the seed.)"""
+    run); every other trainer flag stays as it was. (The warm start never reads the seed.) The positive control
+    is JustRL at CONTROL_LR_FACTOR times the lr with both clips off, and differs from JustRL in nothing else.
+    Breaks if the control ran with a clip on, or at the same lr, or as another objective."""
     seen = []
 
     def fake_train(args):
@@ -106,24 +174,117 @@ def test_seed_reaches_the_trainer_and_nothing_else_changes(tmp_path, monkeypatch
         open(os.path.join(args.out, "metrics.jsonl"), "w").write('{"step": 1}\n')
 
     monkeypatch.setattr(toy.stapo, "train", fake_train)
-    for seed in (0, 3):
-        a = toy.argparse.Namespace(out=str(tmp_path), steps=1, prompts=8, minibatches=1, lr=1e-3, max_tokens=8,
-                                   seed=seed, reward="equiv")
-        toy.train_one(a, "stapo", "base", str(tmp_path / str(seed)))
-    assert (seen[0]["seed"], seen[1]["seed"]) == (0, 3)
-    assert {k: v for k, v in seen[0].items() if k not in ("seed", "out")} == \
-        {k: v for k, v in seen[1].items() if k not in ("seed", "out")}
+    a = toy.parse(["--out", str(tmp_path), "--steps", "1", "--prompts", "8", "--minibatches", "1", "--lr", "1e-3",
+                   "--max-tokens", "8"])[1]
+    for seed, arm in ((0, "stapo"), (3, "stapo"), (3, "justrl"), (3, "control")):
+        a.seed = seed
+        toy.train_one(a, arm, "base", str(tmp_path / f"{arm}{seed}"))
+    assert [(s["seed"], s["method"], s["tau_p"]) for s in seen] == [(0, "stapo", 0.002), (3, "stapo", 0.002),
+                                                                     (3, "justrl", 0.002), (3, "justrl", 0.002)]
+    same = lambda x, y, but: {k: v for k, v in x.items() if k not in but} == \
+        {k: v for k, v in y.items() if k not in but}  # noqa: E731
+    assert same(seen[0], seen[1], ("seed", "out"))
+    control = ("out", "lr", "eps_low", "eps_high", "clip_c", "grad_clip")
+    assert same(seen[2], seen[3], control) and seen[3]["lr"] == toy.CONTROL_LR_FACTOR * 1e-3
+    assert (seen[3]["eps_low"], seen[3]["eps_high"], seen[3]["clip_c"], seen[3]["grad_clip"]) == (0.999, 1e9, 1e9, 1e9)
+    assert (seen[2]["eps_low"], seen[2]["eps_high"], seen[2]["grad_clip"]) == (0.2, 0.28, 1.0)
 
 
-def test_a_second_toy_run_into_the_same_out_is_refused_before_the_warm_start(tmp_path, capsys):
-    """`bash toy.sh` twice: the second is refused at once, naming what the folder holds and another --out (a
-    refusal left to the trainer would come after the warm start, and suggest --resume, which the toy lacks)."""
-    os.makedirs(tmp_path / "rl")
-    (tmp_path / "rl" / "metrics.jsonl").write_text('{"step": 3}\n')
-    with pytest.raises(SystemExit):
-        toy.main(["--out", str(tmp_path), "--steps", "1"])
-    assert "rl/ holds a run: metrics.jsonl logged to step 3" in capsys.readouterr().err
-    assert sorted(os.listdir(tmp_path)) == ["rl"]  # no warm start, no train.jsonl
+def test_the_worlds_runs_are_sized_as_docs_toy_md_says():
+    """Each world's RL settings, as docs/toy.md gives them: bash toy.sh runs the span world's, and --world add
+    the earlier toy unchanged (its committed runs were made with these)."""
+    a = toy.parse([])[1]
+    assert (a.world, a.method, a.steps, a.lr, a.prompts, a.minibatches, a.tau_p, a.max_tokens) == \
+        ("span", "pair", 250, 1e-3, 16, 2, 0.002, 18)
+    a = toy.parse(["--world", "add"])[1]
+    assert (a.steps, a.lr, a.prompts, a.minibatches, a.tau_p, a.max_tokens) == (350, 5e-4, 32, 2, 0.05, 10)
+    assert toy.parse(["--world", "add", "--hard", "--lr", "2e-3"])[1].max_tokens == 24
+    with pytest.raises(UserError):
+        toy.parse(["--hard"])  # the span world has no --hard
+
+
+def test_a_second_toy_run_into_the_same_out_is_refused_before_the_warm_start(tmp_path):
+    """`bash toy.sh` twice: the second is refused at once, naming what the folder holds, --resume and another
+    --out (a refusal left to the trainer would come after the warm start); the same for one arm alone."""
+    for argv, run in (([], "justrl/rl"), (["--method", "stapo"], "rl")):
+        out = tmp_path / run.replace("/", "_")
+        os.makedirs(out / run)
+        (out / run / "metrics.jsonl").write_text('{"step": 3}\n')
+        with pytest.raises(UserError, match=f"{run}/ holds a run: metrics.jsonl logged to step 3.*--resume"):
+            toy.main(["--out", str(out), "--steps", "1"] + argv)
+        assert sorted(os.listdir(out)) == [run.split("/")[0]]  # no warm start, no train.jsonl
+
+
+def toy_process(*argv, **kw):
+    """examples/toy.py as a user starts it, in a session of its own (a terminal's Ctrl-C reaches its group)."""
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", "toy.py"), *argv], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+
+
+def ctrl_c_when(proc, ready, polls=1200):
+    """Ctrl-C to the toy's process group once ready() holds (or it ended): (exit code, stdout, stderr)."""
+    for _ in range(polls):
+        if ready() or proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "--steps 0: must be at least 1"),
+    (["--tau-p", "2"], "--tau-p 2.0: must be in (0, 1)"),
+    (["--hard"], "--hard is the add world's"),
+    (["--out", "{tmp}/a_file/run"], "cannot be written"),
+])
+def test_a_bad_toy_flag_is_one_line_and_nothing_is_written(tmp_path, flags, message):
+    """Each bad value is refused in one line, exit code 2, before the warm start, and nothing is written.
+    Breaks if a bound is left to the trainer (it says so after the whole warm start), or --out is first
+    tried by the warm start's save (a traceback)."""
+    (tmp_path / "a_file").write_text("")
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    argv = flags if "--out" in flags else ["--out", str(tmp_path / "run"), *flags]
+    proc = toy_process(*argv)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and err.strip().splitlines() == [f"toy.py: error: {err.split('error: ')[1].strip()}"]
+    assert message in err
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+def test_ctrl_c_in_the_warm_start_is_one_line_and_leaves_no_base(tmp_path):
+    """Ctrl-C while the warm start trains: one line, exit code 130, and no base/ (nor its partial build): a
+    later run builds it whole. Breaks if the warm start is built in place (a half-made base/ a --resume would
+    take for whole) or the interrupt reaches Python's handler (a long traceback)."""
+    proc = toy_process("--out", str(tmp_path), "--sft-steps", "100000")
+    code, _, err = ctrl_c_when(proc, lambda: os.path.exists(tmp_path / "base.partial" / "config.json"))
+    assert code == 130 and err.strip().splitlines() == ["toy.py: stopped by Ctrl-C"]
+    assert sorted(os.listdir(tmp_path)) == ["train.jsonl"]
+
+
+def test_resume_continues_an_interrupted_toy_run(tmp_path):
+    """Ctrl-C in the toy's RL (both arms running): one line saying to resume, then the same command with
+    --resume keeps the warm start, continues each arm from its checkpoint, and ends as a whole run does: every
+    step logged once, in order, and the two accuracy lines. Breaks if --resume is unknown, rebuilds the warm
+    start (the arms would start from another model), or restarts an arm (its steps logged twice or from 1)."""
+    argv = ["--out", str(tmp_path), "--sft-steps", "5", "--steps", "40", "--no-figure"]
+    rows = lambda arm: toy.read_rows(str(tmp_path / arm / "rl" / "metrics.jsonl"))  # noqa: E731
+    code, _, err = ctrl_c_when(toy_process(*argv), lambda: min(len(rows(arm)) for arm in toy.PAIR) >= 3)
+    assert code == 130, err
+    assert err.strip().splitlines()[-1].endswith("To continue: the same command with --resume")
+    stopped = {arm: rows(arm) for arm in toy.PAIR}  # each row has its step's seconds: a rerun's would differ
+    assert 3 <= min(map(len, stopped.values())) and max(map(len, stopped.values())) < 40
+    base = tree_hashes(tmp_path / "base")
+    proc = toy_process(*argv, "--resume")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert out.strip().splitlines()[-2].startswith("toy: stapo accuracy ")
+    assert out.strip().splitlines()[-1].startswith("toy: justrl accuracy ")
+    assert tree_hashes(tmp_path / "base") == base
+    for arm in toy.PAIR:
+        assert [r["step"] for r in rows(arm)] == list(range(1, 41)), arm
+        assert rows(arm)[:len(stopped[arm])] == stopped[arm], arm  # continued, not run again from step 1
 
 
 def test_compare_interval_and_entropy_rise():
@@ -143,3 +304,8 @@ def test_compare_interval_and_entropy_rise():
     lines = toy_compare.table(rows, 0.4)
     paired = toy_compare.interval([0.2, 0.0, 0.1])  # seed by seed; unpaired, the interval would be wider
     assert lines[-2] == f"| stapo − justrl, paired by seed | {paired[0]:+.3f} ± {paired[1]:.3f} |"
+    steady = [{"accuracy": 0.2 + i / 100} for i in range(50)]
+    assert toy_compare.accuracy_drop(steady) == 0
+    crash = steady + [{"accuracy": 0.0}] * 10  # the 10-step mean falls from its top to 0
+    top = sum(0.2 + i / 100 for i in range(40, 50)) / 10
+    assert abs(toy_compare.accuracy_drop(crash) - top) < 1e-9

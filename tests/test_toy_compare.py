@@ -47,6 +47,7 @@ def test_all_seeds_paired_prints_no_left_out_line_and_too_few_prints_no_paired_r
 
 
 RUNS = os.path.join(ROOT, "docs", "toy_runs")
+POWER = {"span_explore": ("entropy rise", "24")}  # the protocol's power: its study, column and seeds (docs/toy.md)
 
 
 STUDIES = sorted(f[:-len(".tar.xz")] for f in os.listdir(RUNS) if f.endswith(".tar.xz") and f != "ladder.tar.xz")
@@ -56,8 +57,9 @@ STUDIES = sorted(f[:-len(".tar.xz")] for f in os.listdir(RUNS) if f.endswith(".t
 def test_every_toy_table_is_rebuilt_from_its_committed_runs(study, tmp_path, capsys):
     """Each study's runs are committed (docs/toy_runs/<study>.tar.xz: every run's result.json, metrics.jsonl,
     silenced tokens and log), and `examples/toy_compare.py --table-only` rebuilds from them, line by line, the
-    tables docs/toy.md prints for that study (the seed-by-kernel table for `kernels`). Breaks if a table in the
-    docs was edited by hand, or the runs that made it were not the ones committed."""
+    tables docs/toy.md prints for that study (the seed-by-kernel table for a `kernels` study), and for the study
+    a protocol's power rests on, its power line. Breaks if a table or the power in the docs was edited by hand,
+    or the runs that made it were not the ones committed."""
     import tarfile
     with tarfile.open(os.path.join(RUNS, f"{study}.tar.xz")) as archive:
         archive.extractall(tmp_path, filter="data")
@@ -65,11 +67,40 @@ def test_every_toy_table_is_rebuilt_from_its_committed_runs(study, tmp_path, cap
     seeds = sorted({int(f.rsplit("_s", 1)[1]) for f in folders if "_s" in f})
     methods = list(dict.fromkeys(f.rsplit("_s", 1)[0] for f in folders if "_s" in f))
     argv = ["--out", str(tmp_path / study), "--seeds", ",".join(map(str, seeds)), "--table-only"]
-    if study == "kernels":
+    power = ["--power", POWER[study][0], "--power-seeds", POWER[study][1]] if study in POWER else []
+    if study.startswith("kernels"):
         lines = toy_compare.main(argv + ["--kernels"])
     else:
-        toy_compare.main(argv + ["--methods", ",".join(m for m in ("stapo", "justrl") if m in methods)])
+        arms = [m for m in ("stapo", "justrl", "control") if m in methods]
+        toy_compare.main(argv + ["--methods", ",".join(arms)] + power)
         lines = capsys.readouterr().out.splitlines()[:-1]  # the figure's path last
     doc = open(os.path.join(ROOT, "docs", "toy.md")).read().splitlines()
-    missing = [line for line in lines if line.startswith("|") and line not in doc]
+    missing = [line for line in lines if line.startswith(("|", "power:")) and line not in doc]
     assert len([x for x in lines if x.startswith("|")]) >= 5 and not missing, "\n".join(missing)
+    assert not power or any(line.startswith("power:") for line in lines)
+
+
+@pytest.mark.parametrize("effect, n, power", [(1.0, 10, 0.8031), (0.5, 34, 0.8078), (0.8, 15, 0.8213),
+                                              (0.51, 5, 0.1441), (0.0, 10, 0.05), (0.0, 2, 0.05)])
+def test_the_power_of_a_paired_t_test_is_the_noncentral_ts(effect, n, power):
+    """curves.paired_t_power: P(|T| > t(0.975, n - 1)) for T noncentral t (n - 1 df, noncentrality d sqrt(n)),
+    against G*Power's values for the paired t-test (d_z 1 on 10 pairs: 0.8031; 0.5 on 34: 0.8078; 0.8 on 15:
+    0.8213), the audit's n = 5 figure (0.14), and alpha itself at d = 0 (df 1 included, where the chi density
+    is not 0 at 0). Breaks if the noncentrality missed its sqrt(n), or the critical value were z's."""
+    import curves
+    assert curves.paired_t_power(effect, n) == pytest.approx(power, abs=5e-4)
+    assert curves.paired_t_power(-effect, n) == curves.paired_t_power(effect, n)
+
+
+def test_the_detectable_effect_has_the_asked_power_and_the_power_line_reads_the_paired_differences():
+    """detectable_effect(n) is the d_z found with 80% power (1.00 on 10 pairs, 3.76 / sqrt(5) on 5); the
+    power line takes the first two arms' per-seed differences in the column, paired by seed."""
+    import curves
+    assert curves.paired_t_power(curves.detectable_effect(10), 10) == pytest.approx(0.8, abs=1e-6)
+    assert curves.detectable_effect(10) == pytest.approx(0.996, abs=2e-3)
+    a = {0: {"x": 0.1}, 1: {"x": 0.3}, 2: {"x": 0.2}}
+    b = {2: {"x": 0.5}, 0: {"x": 0.2}, 1: {"x": 0.6}, 7: {"x": 9.0}}
+    line = toy_compare.power_line({"stapo": a, "justrl": b}, "x", 10)
+    s = math.sqrt(((-0.1 - -0.7 / 3) ** 2 + 2 * (-0.3 - -0.7 / 3) ** 2) / 2)
+    assert line.startswith(f"power: x, stapo − justrl over seeds 0, 1, 2: d = {-0.7 / 3:+.4f}, s = {s:.4f}")
+    assert f"has power {curves.paired_t_power(-0.7 / 3 / s, 10):.3f} for it" in line
