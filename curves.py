@@ -289,8 +289,8 @@ def draw_bands(groups, out, window=10):
             mean, half = band([smooth(band_series(r[:n], key), window) for r in rows])
             steps = list(range(1, n + 1))
             ax.plot(steps, mean, color=color, label=f"{name} ({len(runs)} seeds)")
-            ax.fill_between(steps, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
-                            color=color, alpha=0.25)
+            low = [max(m - h, 0.0) for m, h in zip(mean, half)]  # every panel's quantity is >= 0: so is its band
+            ax.fill_between(steps, low, [m + h for m, h in zip(mean, half)], color=color, alpha=0.25)
             ax.set(title=title, xlabel="step", ylabel=ylabel)
             ax.grid(alpha=0.3)
             ax.legend(fontsize="small")

@@ -122,7 +122,7 @@ def build_tokenizer(path, hard=False, span=False):
         corpus += [target(r, hard) for r in problems(hard)[0]]
     if span:
         corpus += [f"{SPAN} \\boxed{{1}}"] * 80
-    tok.train_from_iterator(corpus * 4, trainers.BpeTrainer(
+    tok.train_from_iterator(corpus * 4, trainers.BpeTrainer(show_progress=False,
         vocab_size=320 if span else 300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
@@ -339,14 +339,11 @@ BOUNDS = [("steps", "steps", lambda v: v >= 1, "at least 1"), ("sft-steps", "sft
           "at least 1")]
 
 
-def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/toy", help="the warm start and each arm's run go here")
+def add_world_flags(p):
+    """The world and the flags that override its RL settings (WORLDS), and the warm start's: the toy's and
+    examples/toy_compare.py's."""
     p.add_argument("--world", default="span", choices=list(WORLDS), help="span: the span before the box (the "
                    "default); add: the earlier toy, the box alone")
-    p.add_argument("--method", default="pair", choices=["pair"] + ARMS + ["all"], help="pair (the default): "
-                   "stapo and justrl side by side; one arm alone (stapo.py's --method, or control); or all four "
-                   "objectives in turn")
     p.add_argument("--steps", type=int, help="RL steps (the world's)")
     p.add_argument("--lr", type=float, help="the RL learning rate (the world's)")
     p.add_argument("--prompts", type=int, help="prompts per step (the world's)")
@@ -355,6 +352,15 @@ def parse(argv):
     p.add_argument("--max-tokens", type=int, help="the response limit (the world's; --hard: 24)")
     p.add_argument("--sft-steps", type=int, default=SFT_STEPS, help="the warm start's supervised steps")
     p.add_argument("--hard", action="store_true", help="the add world's longer answers: the sum restated")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/toy", help="the warm start and each arm's run go here")
+    p.add_argument("--method", default="pair", choices=["pair"] + ARMS + ["all"], help="pair (the default): "
+                   "stapo and justrl side by side; one arm alone (stapo.py's --method, or control); or all four "
+                   "objectives in turn")
+    add_world_flags(p)
     p.add_argument("--seed", type=int, default=0, help="the RL run's sampling seed (the warm start stays the same)")
     p.add_argument("--reward", default="equiv", choices=["equiv", "dapo"], help="stapo.py's --reward")
     p.add_argument("--base", default="", help="start RL from this warm start (a toy run's <out>/base) instead "
@@ -401,6 +407,7 @@ def prepare(a):
     if a.resume and os.path.isdir(base):  # whole: it is renamed into place only when built
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(base), base, held_out
+    print(f"warm start: {a.sft_steps} supervised steps on one thread (about 30 s), then RL", flush=True)
     partial = base + ".partial"  # built here, then renamed: an interrupted warm start leaves no base/
     shutil.rmtree(partial, ignore_errors=True)
     try:

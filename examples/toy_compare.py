@@ -39,7 +39,9 @@ import argparse, json, math, os, subprocess, sys, time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.append(os.path.join(os.path.dirname(HERE), "benchmarks"))
 import curves  # noqa: E402
+import record  # noqa: E402  the results file of a table (--results)
 import toy  # noqa: E402
 
 SPURIOUS = "taxonomy/posA_lowP_lowH/tokens"
@@ -60,14 +62,19 @@ def spurious_rate(rows):
     return [(r.get(SPURIOUS) or 0.0) * r.get("taxonomy/split", 0.0) for r in rows]
 
 
-def entropy_rise(rows, window=10):
-    """The largest rise of the run's `window`-step mean entropy above its lowest value before it."""
-    h = curves.smooth([r["entropy_mean"] for r in rows], window)
+def largest_rise(xs):
+    """The largest x[j] - x[i] over i <= j: how far the series climbed above its lowest value before (0 if it
+    only falls)."""
     low, rise = float("inf"), 0.0
-    for x in h:
+    for x in xs:
         low = min(low, x)
         rise = max(rise, x - low)
     return rise
+
+
+def entropy_rise(rows, window=10):
+    """The largest rise of the run's `window`-step mean entropy above its lowest value before it."""
+    return largest_rise(curves.smooth([r["entropy_mean"] for r in rows], window))
 
 
 def mean(xs):
@@ -77,12 +84,7 @@ def mean(xs):
 
 def accuracy_drop(rows, window=10):
     """The largest fall of the run's `window`-step mean training accuracy below its highest value so far."""
-    acc = curves.smooth([r["accuracy"] for r in rows], window)
-    high, drop = float("-inf"), 0.0
-    for x in acc:
-        high = max(high, x)
-        drop = max(drop, high - x)
-    return drop
+    return largest_rise([-x for x in curves.smooth([r["accuracy"] for r in rows], window)])
 
 
 def run_metrics(folder):
@@ -172,6 +174,22 @@ def per_seed(results, columns=None):
     return lines
 
 
+def run_on(folder, last=50):
+    """The share of a run's responses cut at the length limit (`truncated`) over its last `last` steps: answers
+    that ran on past their box (the box is graded, so the run-on is rewarded)."""
+    rows = curves.read_jsonl(os.path.join(folder, "rl", "metrics.jsonl"))[-last:]
+    return mean(r.get("truncated") for r in rows)
+
+
+def run_on_line(shares, last=50):
+    """One line: each objective's run-on share (run_on), its mean and 95% t-interval over seeds."""
+    cells = []
+    for method, runs in shares.items():
+        m, h = interval(list(runs.values())) if runs else (float("nan"), None)
+        cells.append(f"{method} {m:.2f}" + (f" ± {h:.2f}" if h is not None else ""))
+    return f"(run-on after the box, the share of the last {last} steps' responses cut at the limit: {', '.join(cells)})"
+
+
 def power_line(results, column, n):
     """What a paired t-test (two-sided, 5%) on n seeds can find, given the first two objectives' differences in
     `column` over the seeds both have: the mean d and standard deviation s of the differences here, the power for
@@ -248,15 +266,7 @@ def main(argv=None):
     p.add_argument("--methods", default="stapo,justrl", help="comma list of examples/toy.py's arms: stapo.py's "
                    "--method, or control (the positive control)")
     p.add_argument("--seeds", default="0,1,2,3,4", help="comma list of the RL runs' seeds")
-    p.add_argument("--world", default="span", choices=list(toy.WORLDS), help="examples/toy.py's --world")
-    p.add_argument("--steps", type=int, help="RL steps of each run (the world's)")
-    p.add_argument("--lr", type=float, help="the RL learning rate (the world's)")
-    p.add_argument("--prompts", type=int, help="prompts per step (the world's)")
-    p.add_argument("--minibatches", type=int, help="updates per step (the world's)")
-    p.add_argument("--tau-p", type=float, help="S2T's tau_p (the world's)")
-    p.add_argument("--max-tokens", type=int, help="the response limit (the world's)")
-    p.add_argument("--sft-steps", type=int, default=toy.SFT_STEPS, help="the warm start's supervised steps")
-    p.add_argument("--hard", action="store_true", help="the toy's --hard: the sum restated before the box")
+    toy.add_world_flags(p)  # --world, its RL settings' overrides, --sft-steps, --hard: each run's, as toy.py's
     p.add_argument("--jobs", type=int, default=2, help="runs at a time, each one process on one thread")
     p.add_argument("--kernels", action="store_true", help="instead: the toy per seed under each kernel "
                    "setting (ATEN_CPU_CAPABILITY unset, avx2, default), each with its own warm start; a "
@@ -266,7 +276,15 @@ def main(argv=None):
     p.add_argument("--power-seeds", type=int, default=10, help="the seeds of the design --power is for")
     p.add_argument("--table-only", action="store_true", help="run nothing: the table (and figure) of the "
                    "runs already finished in --out")
+    p.add_argument("--results", default="none", help="also write what this prints to a results file in this "
+                   "folder (benchmarks/record.py; the README's study figures: benchmarks/results)")
     a = p.parse_args(argv)
+    with record.kept(a.results, "toy_compare"):
+        return compare(a)
+
+
+def compare(a):
+    """main's work, its flags parsed."""
     methods, seeds = a.methods.split(","), [int(s) for s in a.seeds.split(",")]
     if a.kernels:
         lines = kernels(a, seeds)
@@ -287,6 +305,8 @@ def main(argv=None):
     before = json.load(open(os.path.join(jobs[0][2], "result.json")))["before"]
     results = {m: {s: run_metrics(f) for mm, s, f in jobs if mm == m} for m in methods}
     lines = table(results, before) + [""] + per_seed(results)
+    if ta.world == "span":
+        lines += ["", run_on_line({m: {s: run_on(f) for mm, s, f in jobs if mm == m} for m in methods})]
     if a.power:
         lines += ["", power_line(results, a.power, a.power_seeds)]
     print("\n".join(lines))

@@ -61,6 +61,23 @@ def test_a_results_file_starts_with_its_provenance_and_ends_with_whether_it_fini
         assert nothing is None
 
 
+def test_timed_keeps_a_commands_time_its_exit_and_its_output(tmp_path):
+    """benchmarks/timed.py (the README's times of bash toy.sh and bash test.sh): the command's output is kept in
+    the results file, then one JSON line with its seconds, its exit code and the load around it; its exit code
+    is the command's. Breaks if a failed command's time reads as a success, or its output is lost."""
+    for code in (0, 3):
+        folder = tmp_path / str(code)
+        proc = subprocess.run([sys.executable, os.path.join(BENCH, "timed.py"), "--label", "demo", "--results",
+                               str(folder), "--", sys.executable, "-c", f"print('hello'); raise SystemExit({code})"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == code, proc.stderr
+        header, rows, end = _results(folder)
+        assert header["results"] == "time-demo" and end["finished"] is True
+        assert [set(r) for r in rows] == [{"label", "command", "seconds", "exit", "load_before", "load_after"}]
+        assert rows[0]["exit"] == code and rows[0]["label"] == "demo" and rows[0]["seconds"] >= 0
+        assert "hello" in open(os.path.join(folder, os.listdir(folder)[0])).read()
+
+
 def test_a_machine_is_named_for_its_gpu_else_its_cpu_and_cores():
     """The results files' first word. Breaks if two machines' files can share a name (a GPU's run named for its
     host CPU, or two CPUs' core counts dropped)."""

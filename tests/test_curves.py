@@ -122,7 +122,8 @@ def test_t_quantile_is_students_for_any_degrees_of_freedom():
 
 def test_a_band_is_the_t_interval_of_its_own_number_of_runs(tmp_path, monkeypatch):
     """band() and draw_bands: the half-width is t975(n) standard errors for the n runs of that group, whatever
-    n is (2 runs: 12.706; 3 runs: 4.303), not one n's factor for every group."""
+    n is (2 runs: 12.706; 3 runs: 4.303), not one n's factor for every group; and a band stops at 0, since no
+    panel's quantity can be negative (a band below 0 drew entropies and counts that cannot be)."""
     mean, half = curves.band([[1.0, 2.0], [3.0, 5.0]])
     assert mean == [2.0, 3.5] and half == pytest.approx([12.7062047 * 1.0, 12.7062047 * 1.5], rel=1e-7)
     assert curves.band([[1.0, 2.0]]) == ([1.0, 2.0], [0.0, 0.0])
@@ -149,5 +150,6 @@ def test_a_band_is_the_t_interval_of_its_own_number_of_runs(tmp_path, monkeypatc
     for (lo, hi), values in zip(accuracy, ((0.2, 0.6), (0.1, 0.2, 0.6))):
         n, m = len(values), sum(values) / len(values)
         se = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
-        assert [(h - l) / 2 for l, h in zip(lo, hi)] == pytest.approx([T975[n - 1] * se] * 3, rel=1e-6), n
+        assert [h - m for h in hi] == pytest.approx([T975[n - 1] * se] * 3, rel=1e-6), n
+        assert list(lo) == pytest.approx([max(m - T975[n - 1] * se, 0.0)] * 3, rel=1e-6) and min(lo) == 0.0
     assert (tmp_path / "bands.png").stat().st_size > 10_000

@@ -139,6 +139,23 @@ def test_the_readme_reaches_every_page():
             assert not re.search(r"\.py#L\d", target), f"{doc} links to a line number: {target}"
 
 
+def test_every_readme_results_figure_is_in_the_log_it_links():
+    """The README's results table: each row links the log (or logs) its script wrote in benchmarks/results/,
+    and every number the row writes outside its first cell (its figures, their statistic) is in one of those
+    logs as printed (thousands' commas aside). Breaks when a figure is edited by hand, re-measured without
+    committing its log, or links a log that does not hold it."""
+    table = [line for line in open(os.path.join(ROOT, "README.md")).read().split("## Results")[1]
+             .split("\n## ")[0].splitlines() if line.startswith("|")][2:]
+    assert len(table) >= 4
+    for row in table:
+        logs = [t for t in PAGE.findall(row) if t.startswith("benchmarks/results/")]
+        assert logs, f"a results row links no log: {row}"
+        text = "".join(open(os.path.join(ROOT, t)).read() for t in logs).replace(",", "")
+        figures = re.sub(r"\[[^\]]*\]\([^)]*\)", "", "|".join(row.split("|")[2:]))  # links' own text aside
+        missing = [n for n in re.findall(r"\d+(?:[.,]\d+)*", figures) if n.replace(",", "") not in text]
+        assert not missing, f"{missing} of this row are in none of {logs}: {row}"
+
+
 # ---- no drift: every `module.name` written for a reader is a name that module defines --------------------
 
 # The modules a text may name: the top-level ones, the examples, and the tests' reference runs.

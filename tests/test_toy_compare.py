@@ -104,3 +104,17 @@ def test_the_detectable_effect_has_the_asked_power_and_the_power_line_reads_the_
     s = math.sqrt(((-0.1 - -0.7 / 3) ** 2 + 2 * (-0.3 - -0.7 / 3) ** 2) / 2)
     assert line.startswith(f"power: x, stapo − justrl over seeds 0, 1, 2: d = {-0.7 / 3:+.4f}, s = {s:.4f}")
     assert f"has power {curves.paired_t_power(-0.7 / 3 / s, 10):.3f} for it" in line
+
+
+def test_run_on_is_the_truncated_share_of_the_last_steps(tmp_path):
+    """run_on: the mean of `truncated` over a run's last 50 steps (answers cut at the limit after their box);
+    run_on_line gives each objective's mean and interval over seeds. Breaks if it read the whole run."""
+    import json
+    folder = tmp_path / "run"
+    (folder / "rl").mkdir(parents=True)
+    rows = [{"step": s, "truncated": 0.0 if s <= 100 else 1.0} for s in range(1, 126)]  # the last 25 cut
+    (folder / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert toy_compare.run_on(str(folder)) == pytest.approx(0.5)
+    line = toy_compare.run_on_line({"stapo": {0: 0.5, 1: 0.7}, "justrl": {0: 0.1}})
+    m, h = toy_compare.interval([0.5, 0.7])
+    assert line.endswith(f"stapo {m:.2f} ± {h:.2f}, justrl 0.10)")
