@@ -49,7 +49,7 @@ that is padding, in the micro-batches the passes run (policy.micro_batches at --
 for every batch, for both cuts (the trainer's, and the fewest micro-batches that fit).
 Host syncs (CUDA only, null on CPU): the calls of the last timed run that made the host wait for the device,
 counted by torch.cuda.set_sync_debug_mode("warn"): a fixed few per update (the statistics, the norms) and none
-per micro-batch is the aim (tests/test_trainer.py counts the micro-batch loops' on CPU).
+per micro-batch is the aim (tests/test_policy.py counts the micro-batch loops' on CPU).
 Layers: each line of a phase says how its decoder layers ran (layers: compiled or eager, as Policy.layers says)
 and the layer calls of its timed runs that ran eager (eager_layer_calls: the difference of
 Policy.layers.eager_calls; every call when eager, none when every call ran compiled). A line whose layers are

@@ -1,4 +1,5 @@
 """The CPU toy learns: a shortened run of examples/toy.py, and its parts."""
+import contextlib
 import json
 import os
 import signal
@@ -215,13 +216,23 @@ def test_a_second_toy_run_into_the_same_out_is_refused_before_the_warm_start(tmp
         assert sorted(os.listdir(out)) == [run.split("/")[0]]  # no warm start, no train.jsonl
 
 
-def toy_process(*argv, **kw):
-    """examples/toy.py as a user starts it, in a session of its own (a terminal's Ctrl-C reaches its group)."""
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", "toy.py"), *argv], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+@contextlib.contextmanager
+def toy_process(*argv):
+    """examples/toy.py as a user starts it from a terminal: in a session of its own (Ctrl-C reaches its group),
+    with Ctrl-C's default disposition (a test run in the background inherits SIGINT ignored, and Python then
+    never raises KeyboardInterrupt); killed with its group at the end, whatever the test found."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", "toy.py"), *argv], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
-def ctrl_c_when(proc, ready, polls=1200):
+def ctrl_c_when(proc, ready, polls=6000):
     """Ctrl-C to the toy's process group once ready() holds (or it ended): (exit code, stdout, stderr)."""
     for _ in range(polls):
         if ready() or proc.poll() is not None:
@@ -246,8 +257,8 @@ def test_a_bad_toy_flag_is_one_line_and_nothing_is_written(tmp_path, flags, mess
     (tmp_path / "a_file").write_text("")
     flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
     argv = flags if "--out" in flags else ["--out", str(tmp_path / "run"), *flags]
-    proc = toy_process(*argv)
-    _, err = proc.communicate(timeout=120)
+    with toy_process(*argv) as proc:
+        _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and err.strip().splitlines() == [f"toy.py: error: {err.split('error: ')[1].strip()}"]
     assert message in err
     assert sorted(os.listdir(tmp_path)) == ["a_file"]
@@ -257,8 +268,8 @@ def test_ctrl_c_in_the_warm_start_is_one_line_and_leaves_no_base(tmp_path):
     """Ctrl-C while the warm start trains: one line, exit code 130, and no base/ (nor its partial build): a
     later run builds it whole. Breaks if the warm start is built in place (a half-made base/ a --resume would
     take for whole) or the interrupt reaches Python's handler (a long traceback)."""
-    proc = toy_process("--out", str(tmp_path), "--sft-steps", "100000")
-    code, _, err = ctrl_c_when(proc, lambda: os.path.exists(tmp_path / "base.partial" / "config.json"))
+    with toy_process("--out", str(tmp_path), "--sft-steps", "100000") as proc:
+        code, _, err = ctrl_c_when(proc, lambda: os.path.exists(tmp_path / "base.partial" / "config.json"))
     assert code == 130 and err.strip().splitlines() == ["toy.py: stopped by Ctrl-C"]
     assert sorted(os.listdir(tmp_path)) == ["train.jsonl"]
 
@@ -270,14 +281,15 @@ def test_resume_continues_an_interrupted_toy_run(tmp_path):
     start (the arms would start from another model), or restarts an arm (its steps logged twice or from 1)."""
     argv = ["--out", str(tmp_path), "--sft-steps", "5", "--steps", "40", "--no-figure"]
     rows = lambda arm: toy.read_rows(str(tmp_path / arm / "rl" / "metrics.jsonl"))  # noqa: E731
-    code, _, err = ctrl_c_when(toy_process(*argv), lambda: min(len(rows(arm)) for arm in toy.PAIR) >= 3)
+    with toy_process(*argv) as proc:
+        code, _, err = ctrl_c_when(proc, lambda: min(len(rows(arm)) for arm in toy.PAIR) >= 3)
     assert code == 130, err
     assert err.strip().splitlines()[-1].endswith("To continue: the same command with --resume")
     stopped = {arm: rows(arm) for arm in toy.PAIR}  # each row has its step's seconds: a rerun's would differ
     assert 3 <= min(map(len, stopped.values())) and max(map(len, stopped.values())) < 40
     base = tree_hashes(tmp_path / "base")
-    proc = toy_process(*argv, "--resume")
-    out, err = proc.communicate(timeout=600)
+    with toy_process(*argv, "--resume") as proc:
+        out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err
     assert out.strip().splitlines()[-2].startswith("toy: stapo accuracy ")
     assert out.strip().splitlines()[-1].startswith("toy: justrl accuracy ")
