@@ -279,14 +279,14 @@ def test_resume_continues_an_interrupted_toy_run(tmp_path):
     --resume keeps the warm start, continues each arm from its checkpoint, and ends as a whole run does: every
     step logged once, in order, and the two accuracy lines. Breaks if --resume is unknown, rebuilds the warm
     start (the arms would start from another model), or restarts an arm (its steps logged twice or from 1)."""
-    argv = ["--out", str(tmp_path), "--sft-steps", "5", "--steps", "40", "--no-figure"]
+    argv = ["--out", str(tmp_path), "--sft-steps", "5", "--steps", "16", "--no-figure"]
     rows = lambda arm: toy.read_rows(str(tmp_path / arm / "rl" / "metrics.jsonl"))  # noqa: E731
     with toy_process(*argv) as proc:
         code, _, err = ctrl_c_when(proc, lambda: min(len(rows(arm)) for arm in toy.PAIR) >= 3)
     assert code == 130, err
     assert err.strip().splitlines()[-1].endswith("To continue: the same command with --resume")
     stopped = {arm: rows(arm) for arm in toy.PAIR}  # each row has its step's seconds: a rerun's would differ
-    assert 3 <= min(map(len, stopped.values())) and max(map(len, stopped.values())) < 40
+    assert 3 <= min(map(len, stopped.values())) and max(map(len, stopped.values())) < 16
     base = tree_hashes(tmp_path / "base")
     with toy_process(*argv, "--resume") as proc:
         out, err = proc.communicate(timeout=900)
@@ -295,7 +295,7 @@ def test_resume_continues_an_interrupted_toy_run(tmp_path):
     assert out.strip().splitlines()[-1].startswith("toy: justrl accuracy ")
     assert tree_hashes(tmp_path / "base") == base
     for arm in toy.PAIR:
-        assert [r["step"] for r in rows(arm)] == list(range(1, 41)), arm
+        assert [r["step"] for r in rows(arm)] == list(range(1, 17)), arm
         assert rows(arm)[:len(stopped[arm])] == stopped[arm], arm  # continued, not run again from step 1
 
 
