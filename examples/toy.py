@@ -197,7 +197,6 @@ def span_stats(model_path, tok, rows):
         H += h[:len(span)].tolist()
         off += (1 - logp[range(len(span)), span].exp()).tolist()
         H_box += h[len(span) + 3:len(span) + 3 + len(r["answer"])].tolist()  # after ` \\`, `boxed`, `{`
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return {"span_entropy": mean(H), "span_off": mean(off), "box_entropy": mean(H_box)}
 
 
@@ -222,6 +221,12 @@ def train_one(a, method, base, out):
     seconds = time.time() - t0
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return seconds, [json.loads(line) for line in f]
+
+
+def s2t_set(run):
+    """A run's S2T set as logged (--log-silenced: its silenced.jsonl records; none logged: [])."""
+    path = os.path.join(run, "silenced.jsonl")
+    return curves.read_jsonl(path) if os.path.exists(path) else []
 
 
 def region(record, span_tokens):
@@ -255,7 +260,7 @@ def s2t_summary(run, method, samples_per_step, span_tokens=0):
     rows = curves.read_jsonl(os.path.join(run, "metrics.jsonl"))
     tokens = sum(r["response_len_mean"] for r in rows) * samples_per_step
     path = os.path.join(run, "silenced.jsonl")
-    found = curves.read_jsonl(path) if os.path.exists(path) else []
+    found = s2t_set(run)
     steps = len({r["step"] for r in found})
     done = "silenced" if method == "stapo" else f"trained on (--method {method} silences nothing)"
     n = regions(found, span_tokens)
@@ -404,11 +409,16 @@ def prepare(a):
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(a.base), a.base, held_out
     base = os.path.join(a.out, "base")
-    if a.resume and os.path.isdir(base):  # whole: it is renamed into place only when built
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(base), base, held_out
+    if not (a.resume and os.path.isdir(base)):  # a base/ is whole: it is renamed into place only when built
+        build_base(a, train, base)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(base), base, held_out
+
+
+def build_base(a, train, base):
+    """The warm start, built in base.partial and renamed to `base` once saved: an interrupted one leaves no base/."""
     print(f"warm start: {a.sft_steps} supervised steps on one thread (about 30 s), then RL", flush=True)
-    partial = base + ".partial"  # built here, then renamed: an interrupted warm start leaves no base/
+    partial = base + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     try:
         tok = build_tokenizer(partial, a.hard, span=a.world == "span")
@@ -419,8 +429,6 @@ def prepare(a):
         os.replace(partial, base)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(base), base, held_out
 
 
 def main(argv=None):
@@ -526,8 +534,7 @@ def pair_line(runs, samples_per_step, span_tokens):
     how much of it fell in the span) and its share of JustRL's gradient (trained on there)."""
     rows = curves.read_jsonl(os.path.join(runs["stapo"], "metrics.jsonl"))
     tokens = sum(r["response_len_mean"] for r in rows) * samples_per_step
-    path = os.path.join(runs["stapo"], "silenced.jsonl")
-    found = curves.read_jsonl(path) if os.path.exists(path) else []
+    found = s2t_set(runs["stapo"])
     where = regions(found, span_tokens)
     share = grad_share(curves.read_jsonl(os.path.join(runs["justrl"], "metrics.jsonl")))
     in_span = f", {100 * where['span'] / len(found):.0f}% of them in the span" if found and span_tokens else ""

@@ -104,8 +104,7 @@ def run_metrics(folder):
             "grad share (%)": 100 * mean(r.get("grad_share/silenced") for r in rows),
             "… if kept (%)": 100 * mean(r.get("grad_share/silenced_if_kept") for r in rows),
         }
-    found = curves.read_jsonl(os.path.join(folder, "rl", "silenced.jsonl")) \
-        if os.path.exists(os.path.join(folder, "rl", "silenced.jsonl")) else []
+    found = toy.s2t_set(os.path.join(folder, "rl"))
     where = toy.regions(found, result["span_tokens"])
     later = [(r["s2t_later/tokens"], r["s2t_later/rose"]) for r in rows if r.get("s2t_later/tokens")]
     return {
